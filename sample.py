@@ -1,0 +1,247 @@
+"""Stage 1 of GRPO: sample G completions for each of B prompts from the policy π_old.
+
+Reads   --prompts FILE   JSON lines; each record has "prompt" (a string used as is) or
+                         "messages" (a chat, rendered with the tokenizer's chat template and the
+                         generation prompt). Other fields travel to samples.jsonl untouched.
+                         The B records starting at --start are used, in file order.
+Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows)
+            prompt_ids [N, P] int64 (left-padded)    prompt_mask [N, P] bool
+            completion_ids [N, T] int64 (right-padded)  completion_mask [N, T] bool
+            group_ids [N] int64    old_logprobs [N, T] f32    ref_logprobs [N, T] f32 (with --ref-model)
+            truncated [N] bool
+        --out DIR/samples.jsonl  one object per row: group, prompt, completion, and the record's fields
+
+Example:
+    python sample.py --model ckpt/ --prompts prompts.jsonl --out it0/ --group-size 8 \\
+        --num-prompts 4 --max-new-tokens 64 --temperature 1.0 --seed 0 --ref-model ckpt/
+
+Choices where the paper and DESIGN.md are silent:
+- Plain temperature sampling, no top-k or top-p: the ratio ρ_t needs the log-prob of the
+  distribution a token was actually drawn from, and that is log_softmax(logits / τ).
+- The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
+  distribution each token came from; log π_old is taken from the very logits it samples from
+  (no second forward pass), through common.logprobs_from_logits, the function update.py uses.
+- completion_mask is true up to and including the first EOS (any of the tokenizer's and the
+  model's EOS ids) and false after it; it never looks at the pad id, which a model may sample as
+  an ordinary token. Ids after the first EOS are set to the pad id; T is trimmed to the longest
+  completion.
+- A "prompt" string is tokenized with the tokenizer's own special tokens (BOS, if it adds one);
+  a rendered chat already holds them and gets none added.
+- All rows are sampled from one seeded generator in --micro-batch-size chunks, so a sample is
+  reproducible for a given seed and micro-batch size.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+import common
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, help="policy π_old (π_θ before this iteration's update): HF checkpoint folder")
+    p.add_argument("--prompts", required=True, help="JSON-lines prompt file ('prompt' or 'messages' per record)")
+    p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
+    p.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
+    p.add_argument("--num-prompts", type=int, default=None, help="B: prompts to use (default: every record from --start)")
+    p.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit in tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling temperature; log-probs use the same τ (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--ref-model", default=None, help="π_ref: frozen reference model folder; writes ref_logprobs for the β·KL term")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N rows at once)")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
+    args = p.parse_args(argv)
+    if args.group_size < 1:
+        raise common.StageError(f"--group-size must be at least 1, got {args.group_size}")
+    if args.temperature <= 0:
+        raise common.StageError(f"--temperature must be > 0 (log-probs are taken at τ), got {args.temperature}")
+    if args.max_new_tokens < 1:
+        raise common.StageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    return args
+
+
+def select_records(path, start, num_prompts):
+    records = common.read_jsonl(path)
+    if not 0 <= start < len(records):
+        raise common.StageError(f"{path}: --start {start} is outside its {len(records)} records")
+    end = len(records) if num_prompts is None else start + num_prompts
+    if num_prompts is not None and (num_prompts < 1 or end > len(records)):
+        raise common.StageError(f"{path}: --num-prompts {num_prompts} from --start {start} needs {end} records, "
+                                f"the file has {len(records)}")
+    return records[start:end]
+
+
+def render_prompts(records, tokenizer, path, max_len, first_index=0):
+    """Texts the model sees and their token ids, one per record."""
+    texts, ids = [], []
+    for i, record in enumerate(records, first_index):
+        where = f"{path}, record {i}"
+        if "messages" in record:
+            if tokenizer.chat_template is None:
+                raise common.StageError(f"{where}: has 'messages' but the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(record.get("prompt"), str):
+            text = record["prompt"]
+            tokens = tokenizer(text)["input_ids"]
+        else:
+            raise common.StageError(f"{where}: needs 'prompt' (a string) or 'messages' (a list of chat turns)")
+        if not tokens:
+            raise common.StageError(f"{where}: the prompt is empty")
+        if max_len is not None and len(tokens) > max_len:
+            raise common.StageError(f"{where}: the prompt has {len(tokens)} tokens; with --max-new-tokens "
+                                    f"it must fit the model's context, so at most {max_len}")
+        texts.append(text)
+        ids.append(tokens)
+    return texts, ids
+
+
+def left_pad(token_lists, pad_id):
+    P = max(len(t) for t in token_lists)
+    prompt_ids = torch.full((len(token_lists), P), pad_id, dtype=torch.long)         # [B, P]
+    prompt_mask = torch.zeros((len(token_lists), P), dtype=torch.bool)               # [B, P]
+    for i, t in enumerate(token_lists):
+        prompt_ids[i, P - len(t):] = torch.tensor(t, dtype=torch.long)
+        prompt_mask[i, P - len(t):] = True
+    return prompt_ids, prompt_mask
+
+
+@torch.inference_mode()
+def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids, pad_id,
+                       generator, progress=None):
+    """Draw one completion per row: token t ~ softmax(logits_t / τ), τ = 0 meaning greedy.
+
+    prompt_ids/prompt_mask [n, P]. Returns completion_ids [n, T], completion_mask [n, T],
+    logprobs [n, T] (at τ; at 1 when greedy) and truncated [n], with T <= max_new_tokens.
+    """
+    from transformers import DynamicCache
+
+    n = prompt_ids.shape[0]
+    eos = torch.tensor(eos_ids, device=prompt_ids.device)
+    attention_mask = prompt_mask.long()                                               # [n, P]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                       # [n, P]
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    next_position = position_ids[:, -1:] + 1                                          # [n, 1]
+    finished = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)             # EOS already sampled
+    tokens, masks, logprobs = [], [], []
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1].float()                                            # [n, V]
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)                       # [n, V]
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)      # [n]
+        else:
+            token = logits.argmax(-1)                                                 # [n]
+        logprobs.append(common.logprobs_from_logits(logits, token, temperature or 1.0))
+        masks.append(~finished)
+        tokens.append(torch.where(finished, pad_id, token))
+        finished = finished | torch.isin(token, eos)
+        if progress is not None:
+            progress.update(1)
+        if finished.all():
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
+                    past_key_values=cache, use_cache=True)
+        next_position = next_position + 1
+    completion_mask = torch.stack(masks, dim=1)                                       # [n, T]
+    completion_ids = torch.stack(tokens, dim=1)                                       # [n, T]
+    logprobs = torch.stack(logprobs, dim=1).masked_fill(~completion_mask, 0.0)        # [n, T]
+    return completion_ids, completion_mask, logprobs, ~finished
+
+
+def pad_right(tensors, value):
+    """Stack [n_i, T_i] chunks into [sum n_i, max T_i], padding on the right."""
+    T = max(t.shape[1] for t in tensors)
+    return torch.cat([common.pad_columns(t, T, value) for t in tensors])
+
+
+def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, prompts_path="prompts"):
+    """Sample G completions for each record; return (tensors for rollouts.safetensors, samples.jsonl rows)."""
+    device = next(policy.parameters()).device
+    context = getattr(policy.config, "max_position_embeddings", None)
+    max_len = context - args.max_new_tokens if context else None
+    texts, token_lists = render_prompts(records, tokenizer, prompts_path, max_len, first_index=args.start)
+    G = args.group_size
+    prompt_ids, prompt_mask = left_pad(token_lists, tokenizer.pad_token_id)            # [B, P]
+    prompt_ids = prompt_ids.repeat_interleave(G, dim=0).to(device)                    # [N, P]
+    prompt_mask = prompt_mask.repeat_interleave(G, dim=0).to(device)                  # [N, P]
+    group_ids = torch.arange(len(records)).repeat_interleave(G)                       # [N]
+    N = prompt_ids.shape[0]
+    eos_ids = common.eos_token_ids(tokenizer, policy)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+
+    chunks = {"completion_ids": [], "completion_mask": [], "old_logprobs": [], "truncated": []}
+    with tqdm(total=None, desc="sample", unit="tok", leave=False, disable=None) as bar:
+        for rows in common.row_slices(N, args.micro_batch_size):
+            ids, mask, logp, truncated = sample_completions(
+                policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
+                eos_ids, tokenizer.pad_token_id, generator, progress=bar)
+            for key, value in zip(chunks, (ids, mask, logp, truncated)):
+                chunks[key].append(value)
+    tensors = {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "group_ids": group_ids,
+        "completion_ids": pad_right(chunks["completion_ids"], tokenizer.pad_token_id),   # [N, T]
+        "completion_mask": pad_right(chunks["completion_mask"], False),                  # [N, T]
+        "old_logprobs": pad_right(chunks["old_logprobs"], 0.0),                          # [N, T]
+        "truncated": torch.cat(chunks["truncated"]),                                     # [N]
+    }
+    if ref_model is not None:
+        tensors["ref_logprobs"] = reference_logprobs(ref_model, tensors, args.temperature, args.micro_batch_size)
+
+    samples = []
+    for row in range(N):
+        b = row // G
+        completion = tokenizer.decode(tensors["completion_ids"][row][tensors["completion_mask"][row]],
+                                      skip_special_tokens=True)
+        samples.append({"group": b, "prompt": texts[b], "completion": completion,
+                        **{k: v for k, v in records[b].items() if k not in ("group", "prompt", "completion")}})
+    return tensors, samples
+
+
+@torch.inference_mode()
+def reference_logprobs(ref_model, tensors, temperature, micro_batch_size):
+    """log π_ref of every completion token, at the sampling temperature. [N, T]"""
+    out = []
+    for rows in common.row_slices(tensors["prompt_ids"].shape[0], micro_batch_size):
+        out.append(common.completion_logprobs(
+            ref_model, tensors["prompt_ids"][rows], tensors["prompt_mask"][rows],
+            tensors["completion_ids"][rows], tensors["completion_mask"][rows], temperature))
+    return torch.cat(out)
+
+
+def write_outputs(out_dir, tensors, samples, args):
+    os.makedirs(out_dir, exist_ok=True)
+    common.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
+    common.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, common.ROLLOUTS[0], vars(args))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    records = select_records(args.prompts, args.start, args.num_prompts)
+    args.num_prompts = len(records)
+    device = common.pick_device(args.device)
+    tokenizer = common.load_tokenizer(args.model)
+    policy = common.load_model(args.model, device)
+    ref_model = common.load_model(args.ref_model, device) if args.ref_model else None
+
+    t0 = time.perf_counter()
+    tensors, samples = rollout(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts)
+    seconds = time.perf_counter() - t0
+    write_outputs(args.out, tensors, samples, args)
+
+    lengths = tensors["completion_mask"].sum(-1).float()
+    print(f"sampled {len(samples)} completions ({len(records)} prompts × G={args.group_size}) in {seconds:.1f}s, "
+          f"{lengths.sum().item() / seconds:.0f} tok/s; mean length {lengths.mean().item():.1f}, "
+          f"truncated {tensors['truncated'].float().mean().item():.0%}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    common.run_cli(main)

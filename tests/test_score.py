@@ -1,0 +1,116 @@
+"""score.py and the built-in rule reward: exact answers, user functions, a reward model, weights, errors."""
+
+import json
+
+import pytest
+import torch
+from conftest import assert_user_error, cli
+from safetensors.torch import load_file
+
+import common
+import tasks
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("The sum is 5.", "5", 1.0),
+    ("2 + 3 = 5", "5", 1.0),                 # the last number counts
+    ("5, no wait, 6", "5", 0.0),
+    ("It is 05.0", "5", 1.0),                # canonical comparison, not string equality
+    ("-3", "-3", 1.0),
+    ("3", "-3", 0.0),
+    ("no number here", "5", 0.0),
+    ("17", None, 0.0),                       # a record without an answer scores 0
+    ("1" * 100_000, "1" * 100_000, 1.0),     # long numbers compare as strings, no int() conversion
+])
+def test_exact_answer(completion, answer, reward):
+    assert tasks.exact_answer(["q"], [completion], answer=[answer]) == [reward]
+
+
+def rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_builtin_user_functions_and_weights(rollout_dir, tmp_path, monkeypatch):
+    samples = rows(rollout_dir / "samples.jsonl")
+    # Make some completions right, so exact_answer is not all zeros.
+    for s in samples[::3]:
+        s["completion"] = f"so the answer is {s['answer']}"
+    samples_file = tmp_path / "samples.jsonl"
+    samples_file.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (tmp_path / "length_reward_mod.py").write_text(
+        "def length(prompts, completions, completion_ids, group, **fields):\n"
+        "    return [len(ids) / 10 + g for ids, g in zip(completion_ids, group)]\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "rewards_file.py").write_text(
+        "def has_answer_field(prompts, completions, answer, **fields):\n"
+        "    return [float(len(a)) for a in answer]\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "rewards.safetensors"
+    r = cli("score.py", "--rollouts", rollout_dir / "rollouts.safetensors", "--samples", samples_file,
+            "--reward", "exact_answer", "length_reward_mod:length", "--reward", "sub/rewards_file.py:has_answer_field",
+            "--reward-weights", 2.0, 0.5, -1.0, "--out", out)
+    assert r.code == 0, r.err
+    got = load_file(out)
+    assert set(got) == {"rewards", "group_ids", "reward/exact_answer", "reward/length", "reward/has_answer_field"}
+    rollouts = load_file(rollout_dir / "rollouts.safetensors")
+    assert torch.equal(got["group_ids"], rollouts["group_ids"])
+    exact = torch.tensor([float(i % 3 == 0) for i in range(16)])
+    length = rollouts["completion_mask"].sum(1) / 10 + rollouts["group_ids"]
+    answer_len = torch.tensor([float(len(s["answer"])) for s in samples])
+    torch.testing.assert_close(got["reward/exact_answer"], exact)
+    torch.testing.assert_close(got["reward/length"], length.float())
+    torch.testing.assert_close(got["rewards"], 2.0 * exact + 0.5 * length.float() - answer_len)
+    assert got["rewards"].dtype == torch.float32
+
+
+def test_reward_model_folder(rollout_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = common.char_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
+    rm_dir = tmp_path / "my_rm"
+    common.save_checkpoint(LlamaForSequenceClassification(config), tok, str(rm_dir))
+    out = tmp_path / "rewards.safetensors"
+    r = cli("score.py", "--rollouts", rollout_dir / "rollouts.safetensors", "--samples",
+            rollout_dir / "samples.jsonl", "--reward", rm_dir, "--out", out, "--micro-batch-size", 5)
+    assert r.code == 0, r.err
+    got = load_file(out)["reward/my_rm"]
+    # Each row scored alone, with no padding: the batched, padded scores must agree.
+    model = LlamaForSequenceClassification.from_pretrained(rm_dir).eval()
+    samples = rows(rollout_dir / "samples.jsonl")
+    for i, s in enumerate(samples):
+        if "messages" in s:
+            text = tok.apply_chat_template(s["messages"] + [{"role": "assistant", "content": s["completion"]}],
+                                           tokenize=False)
+        else:
+            text = s["prompt"] + s["completion"]
+        with torch.no_grad():
+            expected = model(**tok(text, return_tensors="pt")).logits[0, 0]
+        assert got[i].item() == pytest.approx(expected.item(), abs=1e-4), i
+    assert got.std() > 0
+
+
+def test_reward_errors(rollout_dir, tmp_path, monkeypatch):
+    (tmp_path / "bad_rewards_mod.py").write_text(
+        "def boom(prompts, completions, **k):\n    raise ValueError('cannot parse')\n"
+        "def short(prompts, completions, **k):\n    return [1.0]\n"
+        "def nones(prompts, completions, **k):\n    return [None if i == 2 else 1.0 for i in range(len(completions))]\n"
+        "def nans(prompts, completions, **k):\n    return [float('nan') if i in (1, 7) else 1.0 for i in range(len(completions))]\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "rewards.safetensors"
+    base = ["--rollouts", rollout_dir / "rollouts.safetensors", "--samples", rollout_dir / "samples.jsonl", "--out", out]
+    assert_user_error(cli("score.py", *base, "--reward", "no_such_reward"), "no_such_reward", "unknown reward")
+    assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:boom"), "boom", "ValueError", "cannot parse")
+    assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:short"), "short", "1 values", "16")
+    assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:nones"), "nones", "rows 2")
+    assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:nans"), "nans", "rows 1, 7")
+    assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:missing"), "no function 'missing'")
+    assert_user_error(cli("score.py", *base, "--reward", "nofile.py:f"), "nofile.py")
+    assert_user_error(cli("score.py", *base, "--reward", "exact_answer", "--reward-weights", 1, 2), "--reward-weights")
+    half = tmp_path / "half.jsonl"
+    half.write_text("".join(open(rollout_dir / "samples.jsonl").readlines()[:8]))
+    assert_user_error(cli("score.py", "--rollouts", rollout_dir / "rollouts.safetensors", "--samples", half,
+                          "--out", out, "--reward", "exact_answer"), "half.jsonl", "8 rows", "16")
+    assert not out.exists()

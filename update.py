@@ -1,0 +1,243 @@
+"""Stage 4 of GRPO: update the policy with PPO's clipped objective and a β·KL penalty to π_ref.
+
+For every completion token o_t of completion o_i (DeepSeekMath, eq. 3; DESIGN.md):
+
+    ρ_t   = exp(log π_θ(o_t) − log π_old(o_t))
+    ℓ_t   = −min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·k3_t
+    k3_t  = exp(log π_ref(o_t) − log π_θ(o_t)) − (log π_ref(o_t) − log π_θ(o_t)) − 1
+    loss  = mean over sequences of the masked token mean of ℓ_t          (--loss-agg seq)
+
+Reads   --model DIR        the policy π_θ (equal to π_old before the first step); if DIR holds
+                           optimizer.safetensors, AdamW continues from it (--fresh-optimizer: not)
+        --rollouts FILE    rollouts.safetensors: ids and masks, old_logprobs, ref_logprobs [N, T]
+        --advantages FILE  advantages.safetensors: advantages [N] (or [N, T]), group_ids [N]
+Writes  --out DIR          config.json, model.safetensors and tokenizer files (a Hugging Face
+                           checkpoint), optimizer.safetensors, metrics.json
+
+Example:
+    python update.py --model ckpt/ --rollouts it0/rollouts.safetensors --advantages it0/advantages.safetensors \\
+        --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2 --loss-agg seq --epochs 1 --minibatch-size 16
+
+Choices where the paper and DESIGN.md are silent:
+- log π_old is the rollouts' old_logprobs, never recomputed: the file is the record of what was
+  sampled. log π_θ is recomputed with common.completion_logprobs at the sampling temperature
+  (the rollouts' metadata; --temperature overrides), the function sample.py uses.
+- μ = --epochs passes; each pass shuffles the N rows with a seeded generator and cuts them into
+  minibatches of --minibatch-size completions, one AdamW step per minibatch. A minibatch is
+  processed in micro-batches of --micro-batch-size rows whose losses are divided by the
+  minibatch's normaliser (sequences or tokens), so the gradient does not depend on the split.
+- Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step.
+- Gradients are clipped to a total norm of --max-grad-norm; AdamW with weight decay 0 by default.
+- metrics.json holds each metric measured before each optimizer step, averaged over the steps;
+  `kl` is null when the rollouts have no ref_logprobs (only allowed with β = 0).
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+import common
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder)")
+    p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py (π_old, π_ref log-probs)")
+    p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
+    p.add_argument("--out", required=True, help="output folder for the updated checkpoint, optimizer state, metrics.json")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty to π_ref (default 0.01)")
+    p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (default 0.2)")
+    p.add_argument("--clip-eps-high", type=float, default=None,
+                   help="ε_high: upper clip 1+ε_high (DAPO's clip-higher uses 0.28; default: ε)")
+    p.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
+                   help="seq: mean over sequences of the token mean (DeepSeekMath, default)\n"
+                        "token: Σ over tokens / token count (DAPO)\n"
+                        "dr_grpo: Σ over tokens / (N × L_max) (Dr. GRPO)")
+    p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
+    p.add_argument("--minibatch-size", type=int, default=0,
+                   help="completions per optimizer step (default 0: all N, one step per epoch)")
+    p.add_argument("--micro-batch-size", type=int, default=0,
+                   help="rows per forward/backward; gradients accumulate up to the minibatch (default 0: whole minibatch)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient's total norm to this (default 1.0)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="τ for log π_θ (default: the sampling temperature in the rollouts' metadata, else 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="L_max for --loss-agg dr_grpo (default: from the rollouts' metadata)")
+    p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
+    p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
+    args = p.parse_args(argv)
+    if args.clip_eps_high is None:
+        args.clip_eps_high = args.clip_eps
+    if args.epochs < 1:
+        raise common.StageError(f"--epochs must be at least 1, got {args.epochs}")
+    return args
+
+
+def grpo_token_loss(logp, old_logp, ref_logp, advantages, beta, clip_eps, clip_eps_high):
+    """ℓ_t of DESIGN.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T]."""
+    A = advantages[:, None] if advantages.dim() == 1 else advantages          # [n, 1] or [n, T]
+    ratio = torch.exp(logp - old_logp)                                         # ρ_t            [n, T]
+    pg_unclipped = ratio * A                                                   # ρ_t·A
+    pg_clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * A      # clip(ρ_t)·A
+    pg_loss = -torch.min(pg_unclipped, pg_clipped)                             # −min(·,·)      [n, T]
+    if ref_logp is not None:
+        log_ref_ratio = ref_logp - logp                                        # log π_ref − log π_θ
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                      # k3_t           [n, T]
+    else:
+        kl = torch.zeros_like(logp)
+    loss = pg_loss + beta * kl                                                 # ℓ_t            [n, T]
+    terms = {"pg_loss": pg_loss, "kl": kl, "ratio": ratio,
+             "clipped_low": (ratio < 1 - clip_eps) & (A < 0),                  # the clip is the active term
+             "clipped_high": (ratio > 1 + clip_eps_high) & (A > 0)}
+    return loss, terms
+
+
+def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
+    """This micro-batch's share of the minibatch loss; the minibatch's sequences and tokens normalise."""
+    masked = torch.where(mask, token_loss, 0.0)                                # [n, T]
+    if loss_agg == "seq":      # mean over sequences of the masked token mean (DeepSeekMath)
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if loss_agg == "token":    # Σ ℓ_t / Σ |o_i| over the minibatch (DAPO)
+        return masked.sum() / num_tokens
+    return masked.sum() / (num_seqs * max_new_tokens)  # dr_grpo: Σ ℓ_t / (N × L_max)
+
+
+def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_tokens):
+    """μ epochs of clipped-objective steps on the rollouts; returns metrics averaged over steps."""
+    device = next(policy.parameters()).device
+    N = rollouts["group_ids"].shape[0]
+    ref = rollouts.get("ref_logprobs")
+    generator = torch.Generator().manual_seed(args.seed)
+    steps = []
+    bar = tqdm(total=args.epochs * len(common.row_slices(N, args.minibatch_size)), desc="update", leave=False,
+               disable=None)
+    for _ in range(args.epochs):
+        order = torch.randperm(N, generator=generator)                                # [N]
+        for mb in common.row_slices(N, args.minibatch_size):
+            rows = order[mb]                                                           # [M]
+            mask = rollouts["completion_mask"][rows]                                   # [M, T]
+            num_seqs, num_tokens = len(rows), int(mask.sum())
+            sums = dict.fromkeys(["loss", "policy_loss", "kl", "clip_low", "clip_high", "ratio", "entropy"], 0.0)
+            ratio_max = 0.0
+            optimizer.zero_grad(set_to_none=True)
+            for micro in common.row_slices(len(rows), args.micro_batch_size):
+                idx = rows[micro]
+                batch = {k: v[idx].to(device) for k, v in rollouts.items()}
+                m = batch["completion_mask"]                                           # [n, T]
+                logp, entropy = common.completion_logprobs(
+                    policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], m,
+                    temperature, with_entropy=True)                                    # [n, T]
+                token_loss, terms = grpo_token_loss(
+                    logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages[idx].to(device),
+                    args.beta, args.clip_eps, args.clip_eps_high)
+                loss = aggregate(token_loss, m, args.loss_agg, num_seqs, num_tokens, max_new_tokens)
+                loss.backward()
+                with torch.no_grad():
+                    sums["loss"] += loss.item()
+                    sums["policy_loss"] += aggregate(terms["pg_loss"], m, args.loss_agg, num_seqs, num_tokens,
+                                                     max_new_tokens).item()
+                    for key, term in (("kl", terms["kl"]), ("clip_low", terms["clipped_low"]),
+                                      ("clip_high", terms["clipped_high"]), ("ratio", terms["ratio"]),
+                                      ("entropy", entropy)):
+                        sums[key] += torch.where(m, term.float(), 0.0).sum().item()
+                    ratio_max = max(ratio_max, terms["ratio"][m].max().item())
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
+            optimizer.step()
+            steps.append({
+                "loss": sums["loss"], "policy_loss": sums["policy_loss"],
+                "kl": sums["kl"] / num_tokens if ref is not None else None,
+                "clip_frac": (sums["clip_low"] + sums["clip_high"]) / num_tokens,
+                "clip_frac_low": sums["clip_low"] / num_tokens, "clip_frac_high": sums["clip_high"] / num_tokens,
+                "ratio_mean": sums["ratio"] / num_tokens, "ratio_max": ratio_max,
+                "entropy": sums["entropy"] / num_tokens, "grad_norm": grad_norm, "tokens": num_tokens,
+            })
+            bar.update(1)
+            bar.set_postfix(loss=f"{sums['loss']:.4f}")
+    bar.close()
+    metrics = {k: (None if steps[0][k] is None else sum(s[k] for s in steps) / len(steps)) for k in steps[0]}
+    metrics["optimizer_steps"] = len(steps)
+    return metrics
+
+
+def make_optimizer(policy, args):
+    return torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
+def optimizer_state_tensors(policy, optimizer):
+    """AdamW's per-parameter state keyed 'param_name/exp_avg' etc., for a safetensors file (no pickle)."""
+    names = {p: n for n, p in policy.named_parameters()}
+    return {f"{names[p]}/{k}": (v if torch.is_tensor(v) else torch.tensor(v)) for p, state in optimizer.state.items()
+            for k, v in state.items()}
+
+
+def load_optimizer_state(policy, optimizer, path):
+    with safe_open(path, framework="pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    device = next(policy.parameters()).device
+    for name, p in policy.named_parameters():
+        state = {k.rpartition("/")[2]: v for k, v in saved.items() if k.rpartition("/")[0] == name}
+        if not state:
+            continue
+        if "exp_avg" in state and state["exp_avg"].shape != p.shape:
+            raise common.StageError(f"{path}: state of {name} has shape {list(state['exp_avg'].shape)}, "
+                                    f"the model's parameter has {list(p.shape)}")
+        optimizer.state[p] = {k: (v if k == "step" else v.to(device)) for k, v in state.items()}
+
+
+def save_update(policy, tokenizer, optimizer, metrics, args, out_dir):
+    """Checkpoint, optimizer state and metrics.json, written into `out_dir` as one unit."""
+    common.save_checkpoint(policy, tokenizer, out_dir, extra_files={
+        "optimizer.safetensors": lambda path: common.save_tensors(
+            path, optimizer_state_tensors(policy, optimizer), "optimizer/1", vars(args)),
+        "metrics.json": lambda path: common.write_json(path, metrics),
+    })
+
+
+def load_inputs(args):
+    """Rollouts and advantages, checked against each other before anything is computed or written."""
+    rollouts, meta, dims = common.load_tensors(args.rollouts, common.ROLLOUTS)
+    adv, _, adv_dims = common.load_tensors(args.advantages, common.ADVANTAGES)
+    if adv_dims["N"] != dims["N"]:
+        raise common.StageError(f"{args.advantages}: has {adv_dims['N']} rows, {args.rollouts} has {dims['N']}")
+    if not torch.equal(adv["group_ids"], rollouts["group_ids"]):
+        raise common.StageError(f"{args.advantages}: group_ids differ from those of {args.rollouts} (rows out of order?)")
+    if "T" in adv_dims and adv_dims["T"] != dims["T"]:
+        raise common.StageError(f"{args.advantages}: per-token advantages have T = {adv_dims['T']}, "
+                                f"the rollouts have T = {dims['T']}")
+    if args.beta != 0 and "ref_logprobs" not in rollouts:
+        raise common.StageError(f"{args.rollouts}: no 'ref_logprobs' but --beta is {args.beta}; sample with "
+                                f"--ref-model, or train with --beta 0")
+    rollouts.pop("values", None)
+    temperature = args.temperature or meta.get("temperature", 1.0)
+    max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens") or dims["T"]
+    return rollouts, adv["advantages"], temperature, max_new_tokens
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rollouts, advantages, temperature, max_new_tokens = load_inputs(args)
+    device = common.pick_device(args.device)
+    tokenizer = common.load_tokenizer(args.model)
+    policy = common.load_model(args.model, device)
+    optimizer = make_optimizer(policy, args)
+    state_file = os.path.join(args.model, "optimizer.safetensors")
+    if os.path.isfile(state_file) and not args.fresh_optimizer:
+        load_optimizer_state(policy, optimizer, state_file)
+
+    t0 = time.perf_counter()
+    metrics = update(policy, optimizer, rollouts, advantages, args, temperature, max_new_tokens)
+    metrics["seconds"] = time.perf_counter() - t0
+    save_update(policy, tokenizer, optimizer, metrics, args, args.out)
+    print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}))
+
+
+if __name__ == "__main__":
+    common.run_cli(main)
