@@ -29,7 +29,8 @@ Estimators (--estimator):
 - rloo:    r_i − mean of the other G − 1 rewards       RLOO (Ahmadian et al., 2024) = G/(G−1)·(r − mean)
 """
 
-import argparse
+
+import math
 
 import torch
 
@@ -39,7 +40,7 @@ ZERO_SPREAD_RTOL = 1e-6  # a few float32 ulps: rewards this close are one value
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rewards", required=True, help="rewards.safetensors from score.py")
     p.add_argument("--out", required=True, help="output advantages.safetensors")
     p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo"],
@@ -47,7 +48,10 @@ def parse_args(argv=None):
                         "dr_grpo: A = r − mean, no std (Dr. GRPO, Liu et al. 2025)\n"
                         "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)")
     p.add_argument("--eps", type=float, default=1e-4, help="ε in (std + ε), grpo only (default 1e-4)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not (math.isfinite(args.eps) and args.eps >= 0):
+        raise common.StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
+    return args
 
 
 def group_rewards(rewards, group_ids, path="group_ids"):

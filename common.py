@@ -11,6 +11,7 @@ Shape alphabet used throughout: B prompts, G completions per prompt, N = B·G ro
 P prompt length, T completion length, V vocabulary size.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -34,6 +35,16 @@ def run_cli(main):
     except StageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (`prog: error: ...`, exit 2) and help that keeps line breaks."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.RawTextHelpFormatter, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def pick_device(name="auto"):
@@ -82,6 +93,7 @@ def save_tensors(path, tensors, schema, args):
     """Write `tensors` to `path` with metadata {"schema", "args"}; the file appears complete or not at all."""
     metadata = {"schema": schema, "args": json.dumps(args, sort_keys=True, default=str)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
 
@@ -176,9 +188,11 @@ def load_tensors(path, spec):
         if not any(_bind(shape, t.shape, dims) for shape in shapes):
             raise StageError(f"{path}: '{key}' has shape {list(t.shape)}, expected {_fmt(shapes)} "
                              f"with {', '.join(f'{k}={v}' for k, v in dims.items()) or 'no sizes known yet'}")
+        if dims.get("N") == 0:
+            raise StageError(f"{path}: '{key}' has no rows (N = 0)")
         if kind == "float" and not torch.isfinite(t).all():
             bad = torch.nonzero(~torch.isfinite(t).reshape(t.shape[0], -1).all(-1)).flatten()
-            raise StageError(f"{path}: '{key}' is NaN or infinite in rows {_rows(bad)}")
+            raise StageError(f"{path}: '{key}' is NaN or infinite in rows {format_rows(bad)}")
     return tensors, args, dims
 
 
@@ -197,7 +211,7 @@ def _fmt(shapes):
     return " or ".join("[" + ", ".join(s) + "]" for s in shapes)
 
 
-def _rows(idx, limit=10):
+def format_rows(idx, limit=10):
     idx = [int(i) for i in idx]
     return ", ".join(map(str, idx[:limit])) + (f" (and {len(idx) - limit} more)" if len(idx) > limit else "")
 

@@ -31,7 +31,6 @@ Choices where the paper and DESIGN.md are silent:
   reproducible for a given seed and micro-batch size.
 """
 
-import argparse
 import os
 import time
 
@@ -42,7 +41,7 @@ import common
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="policy π_old (π_θ before this iteration's update): HF checkpoint folder")
     p.add_argument("--prompts", required=True, help="JSON-lines prompt file ('prompt' or 'messages' per record)")
     p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
@@ -82,6 +81,12 @@ def render_prompts(records, tokenizer, path, max_len, first_index=0):
     for i, record in enumerate(records, first_index):
         where = f"{path}, record {i}"
         if "messages" in record:
+            chat = record["messages"]
+            if not (isinstance(chat, list) and chat and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in chat)):
+                raise common.StageError(f"{where}: 'messages' must be a non-empty list of "
+                                        f'{{"role": str, "content": str}} objects')
             if tokenizer.chat_template is None:
                 raise common.StageError(f"{where}: has 'messages' but the tokenizer has no chat template")
             text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
@@ -218,9 +223,11 @@ def reference_logprobs(ref_model, tensors, temperature, micro_batch_size):
 
 
 def write_outputs(out_dir, tensors, samples, args):
+    """samples.jsonl and rollouts.safetensors, both renamed into place only once both are written."""
     os.makedirs(out_dir, exist_ok=True)
-    common.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
-    common.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, common.ROLLOUTS[0], vars(args))
+    with common.atomic_path(os.path.join(out_dir, "samples.jsonl")) as samples_tmp:
+        common.write_jsonl(samples_tmp, samples)
+        common.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, common.ROLLOUTS[0], vars(args))
 
 
 def main(argv=None):

@@ -24,7 +24,6 @@ A --reward SPEC is one of
 Every reward must be a finite number: None, NaN or ±inf is an error naming the rows.
 """
 
-import argparse
 import importlib
 import importlib.util
 import math
@@ -39,7 +38,7 @@ import tasks
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py")
     p.add_argument("--samples", required=True, help="samples.jsonl from sample.py")
     p.add_argument("--reward", required=True, nargs="+", action="extend", metavar="SPEC",
@@ -142,8 +141,8 @@ def call_reward(name, fn, prompts, completions, fields, n):
         raise common.StageError(f"reward {name!r} returned {got}, expected a list of {n} floats (one per completion)")
     bad = [i for i, v in enumerate(values) if v is None or not isinstance(v, numbers.Real) or not math.isfinite(v)]
     if bad:
-        shown = ", ".join(str(i) for i in bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
-        raise common.StageError(f"reward {name!r} returned None, NaN, infinite or non-numbers in rows {shown}")
+        raise common.StageError(f"reward {name!r} returned None, NaN, infinite or non-numbers in rows "
+                                f"{common.format_rows(bad)}")
     return torch.tensor([float(v) for v in values], dtype=torch.float32)                    # [N]
 
 
@@ -154,8 +153,9 @@ def score(rollouts, samples, reward_fns, weights):
     completions = [s["completion"] for s in samples]
     columns = sorted({k for s in samples for k in s} - {"prompt", "completion"})
     fields = {k: [s.get(k) for s in samples] for k in columns}
-    fields["completion_ids"] = [ids[mask].tolist() for ids, mask in
-                                zip(rollouts["completion_ids"], rollouts["completion_mask"])]
+    if "completion_ids" in rollouts and "completion_mask" in rollouts:
+        fields["completion_ids"] = [ids[mask].tolist() for ids, mask in
+                                    zip(rollouts["completion_ids"], rollouts["completion_mask"])]
     components = {}
     total = torch.zeros(N)                                                                   # [N]
     for (name, fn), w in zip(reward_fns, weights):
@@ -165,6 +165,11 @@ def score(rollouts, samples, reward_fns, weights):
         components[key] = call_reward(name, fn, prompts, completions, fields, N)
         total += w * components[key]
     return total, components
+
+
+def write_rewards(path, rewards, group_ids, components, args):
+    tensors = {"rewards": rewards, "group_ids": group_ids, **{f"reward/{k}": v for k, v in components.items()}}
+    common.save_tensors(path, tensors, common.REWARDS[0], vars(args))
 
 
 def check_samples(samples, group_ids, path):
@@ -177,18 +182,21 @@ def check_samples(samples, group_ids, path):
             raise common.StageError(f"{path}, row {i}: group {s['group']} but the rollouts say {int(group_ids[i])}")
 
 
+# score.py needs only group_ids from the rollouts (and completion ids for the reward functions' fields).
+ROLLOUTS_FOR_SCORING = (common.ROLLOUTS[0], {k: (kind, shapes, k == "group_ids")
+                                             for k, (kind, shapes, _) in common.ROLLOUTS[1].items()})
+
+
 def main(argv=None):
     args = parse_args(argv)
-    rollouts, _, _ = common.load_tensors(args.rollouts, common.ROLLOUTS)
+    rollouts, _, _ = common.load_tensors(args.rollouts, ROLLOUTS_FOR_SCORING)
     samples = common.read_jsonl(args.samples)
     check_samples(samples, rollouts["group_ids"], args.samples)
     device = common.pick_device(args.device)
     reward_fns = [load_reward(spec, device, args.micro_batch_size) for spec in args.reward]
 
     rewards, components = score(rollouts, samples, reward_fns, args.reward_weights)
-    tensors = {"rewards": rewards, "group_ids": rollouts["group_ids"],
-               **{f"reward/{k}": v for k, v in components.items()}}
-    common.save_tensors(args.out, tensors, common.REWARDS[0], vars(args))
+    write_rewards(args.out, rewards, rollouts["group_ids"], components, args)
     parts = ", ".join(f"{k} {v.mean().item():.3f}" for k, v in components.items())
     print(f"scored {len(samples)} completions: reward mean {rewards.mean().item():.4f} "
           f"std {rewards.std().item() if len(samples) > 1 else 0.0:.4f} ({parts}); wrote {args.out}")

@@ -10,9 +10,18 @@ where `fields` holds every other column of samples.jsonl (for example `answer`),
 Rewards read text a model wrote, so they never evaluate it: numbers are found with a linear-time
 regular expression and compared as canonical strings, never parsed as code or converted to a
 Python int (whose size would be up to the model).
+
+Tasks (`make_task(name, seed)` returns train and held-out records and the rewards to use):
+- arithmetic: "What is a plus b?" as a chat, a and b two-digit numbers; reward exact_answer
+  (1 when the last number of the reply is the sum). The default job's task.
+- char_classes: for the tiny model trained from scratch. The prompt names a character class
+  ("digits:", "lower:", "upper:"); reward char_class, the share of the completion's characters
+  in that class (dense, in [0, 1]; a random model starts near 0.1 to 0.25).
 """
 
+import random
 import re
+import string
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
@@ -43,7 +52,53 @@ def exact_answer(prompts, completions, answer, **fields):
     return [float(a is not None and last_number(c) == canonical_number(a)) for c, a in zip(completions, answer)]
 
 
+CHAR_CLASSES = {"digits": string.digits, "lower": string.ascii_lowercase, "upper": string.ascii_uppercase}
+
+
+def char_class(prompts, completions, char_class, **fields):
+    """Share of the completion's characters that belong to the record's `char_class` (0 if empty)."""
+    return [sum(ch in CHAR_CLASSES[k] for ch in c) / max(len(c), 1) for c, k in zip(completions, char_class)]
+
+
 # Built-in rewards by the name score.py's --reward takes.
 REWARDS = {
     "exact_answer": exact_answer,
+    "char_class": char_class,
 }
+
+
+def arithmetic(seed, num_train=2000, num_eval=48, low=10, high=99):
+    """Two-digit sums as chat prompts. Held-out pairs never appear in the training records."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+    rng.shuffle(pairs)
+
+    def record(a, b):
+        return {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"}], "answer": str(a + b)}
+
+    return ([record(a, b) for a, b in pairs[num_eval:num_eval + num_train]],
+            [record(a, b) for a, b in pairs[:num_eval]])
+
+
+def char_classes(seed, num_train=256, num_eval=12):
+    """Prompts "digits:", "lower:" or "upper:"; the reply should use only characters of that class."""
+    rng = random.Random(seed)
+    names = sorted(CHAR_CLASSES)
+
+    def record(name):
+        return {"prompt": f"{name}:", "char_class": name}
+
+    return [record(rng.choice(names)) for _ in range(num_train)], [record(names[i % 3]) for i in range(num_eval)]
+
+
+TASKS = {
+    "arithmetic": (arithmetic, ["exact_answer"]),
+    "char_classes": (char_classes, ["char_class"]),
+}
+
+
+def make_task(name, seed):
+    """(train records, held-out records, reward names) of a built-in task."""
+    build, rewards = TASKS[name]
+    train, held_out = build(seed)
+    return train, held_out, rewards

@@ -32,7 +32,6 @@ Choices where the paper and DESIGN.md are silent:
   `kl` is null when the rollouts have no ref_logprobs (only allowed with β = 0).
 """
 
-import argparse
 import json
 import os
 import time
@@ -45,7 +44,7 @@ import common
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder)")
     p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py (π_old, π_ref log-probs)")
     p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
@@ -167,8 +166,8 @@ def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_t
     return metrics
 
 
-def make_optimizer(policy, args):
-    return torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+def make_optimizer(policy, lr, weight_decay=0.0):
+    return torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
 
 
 def optimizer_state_tensors(policy, optimizer):
@@ -179,25 +178,34 @@ def optimizer_state_tensors(policy, optimizer):
 
 
 def load_optimizer_state(policy, optimizer, path):
-    with safe_open(path, framework="pt") as f:
-        saved = {k: f.get_tensor(k) for k in f.keys()}
+    """Restore AdamW's state from optimizer_state_tensors' file; every parameter must have its state."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            saved = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a damaged file raises several types; all mean the same here
+        raise common.StageError(f"{path}: not a readable optimizer state ({str(e).splitlines()[0]}); "
+                                f"delete it or pass --fresh-optimizer") from None
     device = next(policy.parameters()).device
     for name, p in policy.named_parameters():
-        state = {k.rpartition("/")[2]: v for k, v in saved.items() if k.rpartition("/")[0] == name}
-        if not state:
-            continue
-        if "exp_avg" in state and state["exp_avg"].shape != p.shape:
-            raise common.StageError(f"{path}: state of {name} has shape {list(state['exp_avg'].shape)}, "
-                                    f"the model's parameter has {list(p.shape)}")
-        optimizer.state[p] = {k: (v if k == "step" else v.to(device)) for k, v in state.items()}
+        state = {key: saved.get(f"{name}/{key}") for key in ("step", "exp_avg", "exp_avg_sq")}
+        if any(v is None for v in state.values()):
+            raise common.StageError(f"{path}: no AdamW state for parameter {name}; is it from another model? "
+                                    f"(--fresh-optimizer ignores it)")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].shape != p.shape:
+                raise common.StageError(f"{path}: {name}/{key} has shape {list(state[key].shape)}, "
+                                        f"the parameter has {list(p.shape)}")
+        optimizer.state[p] = {"step": state["step"].float(), "exp_avg": state["exp_avg"].to(device),
+                              "exp_avg_sq": state["exp_avg_sq"].to(device)}
 
 
-def save_update(policy, tokenizer, optimizer, metrics, args, out_dir):
+def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None):
     """Checkpoint, optimizer state and metrics.json, written into `out_dir` as one unit."""
     common.save_checkpoint(policy, tokenizer, out_dir, extra_files={
         "optimizer.safetensors": lambda path: common.save_tensors(
             path, optimizer_state_tensors(policy, optimizer), "optimizer/1", vars(args)),
         "metrics.json": lambda path: common.write_json(path, metrics),
+        **(extra_files or {}),
     })
 
 
@@ -215,10 +223,15 @@ def load_inputs(args):
     if args.beta != 0 and "ref_logprobs" not in rollouts:
         raise common.StageError(f"{args.rollouts}: no 'ref_logprobs' but --beta is {args.beta}; sample with "
                                 f"--ref-model, or train with --beta 0")
+    empty = torch.nonzero(~rollouts["completion_mask"].any(-1)).flatten()
+    if len(empty):
+        raise common.StageError(f"{args.rollouts}: rows {common.format_rows(empty)} have no completion token "
+                                f"(completion_mask all false)")
     rollouts.pop("values", None)
-    temperature = args.temperature or meta.get("temperature", 1.0)
-    max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens") or dims["T"]
-    return rollouts, adv["advantages"], temperature, max_new_tokens
+    # Record the τ and L_max actually used, so the output's metadata says what was computed.
+    args.temperature = args.temperature or meta.get("temperature", 1.0)
+    args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens") or dims["T"]
+    return rollouts, adv["advantages"], args.temperature, args.max_new_tokens
 
 
 def main(argv=None):
@@ -227,7 +240,7 @@ def main(argv=None):
     device = common.pick_device(args.device)
     tokenizer = common.load_tokenizer(args.model)
     policy = common.load_model(args.model, device)
-    optimizer = make_optimizer(policy, args)
+    optimizer = make_optimizer(policy, args.lr, args.weight_decay)
     state_file = os.path.join(args.model, "optimizer.safetensors")
     if os.path.isfile(state_file) and not args.fresh_optimizer:
         load_optimizer_state(policy, optimizer, state_file)

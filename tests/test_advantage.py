@@ -142,6 +142,21 @@ def test_bad_files(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]
 
 
+def test_bad_flags_and_empty_input(tmp_path):
+    rewards = write_rewards(tmp_path / "r.safetensors")
+    out = tmp_path / "a.safetensors"
+    for eps in ("-0.5", "nan", "inf"):
+        assert_user_error(cli("advantage.py", "--rewards", rewards, "--out", out, "--eps", eps), "--eps")
+    assert_user_error(cli("advantage.py", "--rewards", rewards, "--out", out, "--estimator", "ppo"), "--estimator")
+    assert_user_error(cli("advantage.py", "--rewards", rewards), "--out")
+    empty = write_rewards(tmp_path / "empty.safetensors", [], [])
+    assert_user_error(cli("advantage.py", "--rewards", empty, "--out", out), "empty.safetensors", "no rows")
+    assert not out.exists()
+    # An --out folder that does not exist yet is created.
+    nested = tmp_path / "new" / "dir" / "a.safetensors"
+    assert cli("advantage.py", "--rewards", rewards, "--out", nested).code == 0 and nested.exists()
+
+
 def test_file_metadata_holds_schema_and_args(tmp_path):
     out = tmp_path / "a.safetensors"
     assert cli("advantage.py", "--rewards", write_rewards(tmp_path / "r.safetensors"), "--out", out).code == 0

@@ -128,6 +128,8 @@ def test_bad_prompt_files(models, tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "a"}\n{"prompt": \n')
     assert_user_error(run(broken), "broken.jsonl", "line 2", "not valid JSON")
+    bad_chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": "hello"}])
+    assert_user_error(run(bad_chat), "chat.jsonl", "record 0", "'messages'")
     neither = write_jsonl(tmp_path / "neither.jsonl", [{"prompt": "ok"}, {"question": "no prompt"}])
     assert_user_error(run(neither), "neither.jsonl", "record 1", "'prompt'", "'messages'")
     too_long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "x" * 600}])

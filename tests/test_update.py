@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -94,7 +95,7 @@ def run_update(model_dir, rollouts, advantages, **overrides):
     args = SimpleNamespace(lr=1e-3, weight_decay=0.0, beta=0.01, clip_eps=0.2, clip_eps_high=0.2, loss_agg="seq",
                            epochs=1, minibatch_size=0, micro_batch_size=0, max_grad_norm=1e9, seed=0)
     vars(args).update(overrides)
-    optimizer = update.make_optimizer(policy, args)
+    optimizer = update.make_optimizer(policy, args.lr)
     metrics = update.update(policy, optimizer, rollouts, advantages, args, temperature=0.7, max_new_tokens=40)
     return policy, metrics
 
@@ -205,3 +206,24 @@ def test_mismatched_inputs_are_errors_before_anything_is_written(models, rollout
     assert r.code == 0, r.err
     assert json.loads((out / "metrics.json").read_text())["kl"] is None
     assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]
+
+
+def test_empty_completion_row_and_damaged_optimizer_state(models, rollout_dir, tmp_path):
+    rollouts = rollouts_of(rollout_dir)
+    N = rollouts["group_ids"].numel()
+    adv = tmp_path / "adv.safetensors"
+    save_file({"advantages": torch.zeros(N), "group_ids": rollouts["group_ids"]}, str(adv))
+    empty_row = dict(rollouts, completion_mask=rollouts["completion_mask"].clone())
+    empty_row["completion_mask"][5] = False
+    save_file(empty_row, str(tmp_path / "empty_row.safetensors"))
+    out = tmp_path / "out"
+    assert_user_error(cli("update.py", "--model", models["policy"], "--rollouts", tmp_path / "empty_row.safetensors",
+                          "--advantages", adv, "--out", out), "rows 5", "no completion token")
+
+    damaged = tmp_path / "damaged_model"
+    shutil.copytree(models["policy"], damaged)
+    (damaged / "optimizer.safetensors").write_text("junk")
+    args = ["--model", damaged, "--rollouts", rollout_dir / "rollouts.safetensors", "--advantages", adv, "--out", out]
+    assert_user_error(cli("update.py", *args), "optimizer.safetensors", "--fresh-optimizer")
+    assert not out.exists()
+    assert cli("update.py", *args, "--fresh-optimizer").code == 0

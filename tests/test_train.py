@@ -1,0 +1,132 @@
+"""train.py end to end: the tiny configuration learns, its run folder is complete, resume is exact
+(also after SIGKILL), and an iteration replays stage by stage from its files."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, assert_user_error, cli
+from safetensors.torch import load_file
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """`python train.py --config tiny` at its default length (30 iterations, checkpoints every 10)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    r = cli("train.py", "--config", "tiny", "--run-dir", run_dir)
+    assert r.code == 0, r.err
+    return run_dir, r
+
+
+def iteration_metrics(run_dir):
+    return [json.loads((run_dir / f"iter_{i:04d}" / "metrics.json").read_text()) for i in range(30)]
+
+
+def test_tiny_config_learns(tiny_run):
+    run_dir, _ = tiny_run
+    rewards = [m["charts/reward_mean"] for m in iteration_metrics(run_dir)]
+    # The reward (char_class) lies in [0, 1]: the last three iterations must beat the first three by 0.25.
+    assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= 0.25, rewards
+    before = [json.loads(line)["reward"] for line in open(run_dir / "eval" / "iter_0000.jsonl")]
+    after = [json.loads(line)["reward"] for line in open(run_dir / "eval" / "iter_0030.jsonl")]
+    assert sum(after) / len(after) > sum(before) / len(before) + 0.25
+
+
+def test_run_directory_layout_and_metrics(tiny_run):
+    run_dir, result = tiny_run
+    assert json.loads((run_dir / "config.json").read_text())["config"]["task"] == "char_classes"
+    for name in ["prompts.jsonl", "rollouts.safetensors", "samples.jsonl", "rewards.safetensors",
+                 "advantages.safetensors", "metrics.json"]:
+        assert (run_dir / "iter_0029" / name).is_file(), name
+    assert len(open(run_dir / "iter_0029" / "samples.jsonl").readlines()) == 64       # B = 8 × G = 8
+    for name in ["model.safetensors", "config.json", "optimizer.safetensors", "train_state.json", "tokenizer.json"]:
+        assert (run_dir / "policy" / name).is_file(), name
+    assert json.loads((run_dir / "policy" / "train_state.json").read_text())["iteration"] == 30
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["iter_0010", "iter_0020"]
+    assert sorted(os.listdir(run_dir / "eval")) == ["iter_0000.jsonl", "iter_0010.jsonl", "iter_0020.jsonl",
+                                                    "iter_0030.jsonl"]
+    m = iteration_metrics(run_dir)[5]
+    for key in ["charts/reward_mean", "charts/reward_std", "charts/frac_zero_std", "charts/completion_len",
+                "charts/truncated_frac", "losses/loss", "losses/policy_loss", "losses/kl", "losses/clip_frac",
+                "losses/entropy", "losses/grad_norm", "losses/ratio_mean", "perf/sample_s", "perf/update_s",
+                "perf/tokens_per_s"]:
+        assert isinstance(m[key], float), key
+    assert "held-out reward after 30 iterations" in result.out
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb")).Reload()
+    tags = events.Tags()
+    assert {"charts/reward_mean", "losses/kl", "eval/reward_mean", "perf/iteration_s"} <= set(tags["scalars"])
+    assert [e.step for e in events.Scalars("charts/reward_mean")] == list(range(30))
+    assert "samples/text_summary" in tags["tensors"]
+
+
+def assert_same_weights(dir_a, dir_b):
+    a, b = load_file(dir_a / "model.safetensors"), load_file(dir_b / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_resume_gives_the_same_weights(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    resumed = tmp_path / "resumed"
+    assert cli("train.py", "--config", "tiny", "--run-dir", resumed, "--iterations", 7).code == 0
+    r = cli("train.py", "--config", "tiny", "--run-dir", resumed, "--iterations", 10, "--resume")
+    assert r.code == 0, r.err
+    # checkpoints/iter_0010 of the straight run is the policy after 10 iterations.
+    assert_same_weights(run_dir / "checkpoints" / "iter_0010", resumed / "policy")
+    assert load_file(run_dir / "iter_0009" / "rollouts.safetensors")["completion_ids"].equal(
+        load_file(resumed / "iter_0009" / "rollouts.safetensors")["completion_ids"])
+
+
+def test_resume_after_sigkill(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    killed = tmp_path / "killed"
+    argv = [sys.executable, "train.py", "--config", "tiny", "--run-dir", str(killed), "--iterations", "10"]
+    # Kill twice, at different points of the loop, then let a third process finish the run.
+    for marker in (killed / "iter_0002" / "rollouts.safetensors", killed / "iter_0006" / "prompts.jsonl"):
+        proc = subprocess.Popen(argv + (["--resume"] if killed.exists() else []), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finished = subprocess.run(argv + ["--resume"], cwd=ROOT, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    assert_same_weights(run_dir / "checkpoints" / "iter_0010", killed / "policy")
+    assert all((killed / f"iter_{i:04d}" / "metrics.json").is_file() for i in range(10))
+
+
+def test_replay_an_iteration_stage_by_stage(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    it = run_dir / "iter_0010"
+    script = (it / "replay.sh").read_text()
+    out = tmp_path / "replay"
+    for line in script.splitlines():
+        if line.startswith("python "):
+            argv = shlex.split(line.replace("${OUT:-replay/iter_0010}", str(out)))
+            r = cli(argv[1], *argv[2:])
+            assert r.code == 0, (argv[1], r.err)
+    for name in ["rollouts", "rewards", "advantages"]:
+        original, again = load_file(it / f"{name}.safetensors"), load_file(out / f"{name}.safetensors")
+        assert original.keys() == again.keys()
+        for k in original:
+            assert torch.equal(original[k], again[k]), (name, k)
+    metrics = json.loads((it / "metrics.json").read_text())
+    replayed = json.loads((out / "policy" / "metrics.json").read_text())
+    assert replayed["loss"] == metrics["losses/loss"] and replayed["grad_norm"] == metrics["losses/grad_norm"]
+
+
+def test_run_dir_is_never_overwritten_and_resume_keeps_the_config(tiny_run):
+    run_dir, _ = tiny_run
+    assert_user_error(cli("train.py", "--config", "tiny", "--run-dir", run_dir), "already holds a run", "--resume")
+    assert_user_error(cli("train.py", "--run-dir", run_dir, "--resume", "--lr", 1), "--lr")
