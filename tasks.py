@@ -12,8 +12,11 @@ regular expression and compared as canonical strings, never parsed as code or co
 Python int (whose size would be up to the model).
 
 Tasks (`make_task(name, seed)` returns train and held-out records and the rewards to use):
-- arithmetic: "What is a plus b?" as a chat, a and b two-digit numbers; reward exact_answer
-  (1 when the last number of the reply is the sum). The default job's task.
+- arithmetic: "What is a plus b? Answer in one short sentence." as a chat, a and b two-digit
+  numbers; reward exact_answer (1 when the last number of the reply is the sum). The default
+  job's task. The base SmolLM2-135M-Instruct gets about 10% of samples right at τ = 0.7 within
+  24 tokens, so a third of the groups carry signal from the first iteration; without the
+  format request it rambles past the token limit and gets about 3%.
 - char_classes: for the tiny model trained from scratch. The prompt names a character class
   ("digits:", "lower:", "upper:"); reward char_class, the share of the completion's characters
   in that class (dense, in [0, 1]; a random model starts near 0.1 to 0.25).
@@ -74,7 +77,7 @@ def arithmetic(seed, num_train=2000, num_eval=48, low=10, high=99):
     rng.shuffle(pairs)
 
     def record(a, b):
-        return {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"}], "answer": str(a + b)}
+        return {"messages": [{"role": "user", "content": f"What is {a} plus {b}? Answer in one short sentence."}], "answer": str(a + b)}
 
     return ([record(a, b) for a, b in pairs[num_eval:num_eval + num_train]],
             [record(a, b) for a, b in pairs[:num_eval]])

@@ -51,12 +51,12 @@ import update
 class Config:
     model: str = ""                  # HF folder; "" = SmolLM2-135M-Instruct (converted once), "tiny" = built here
     task: str = "arithmetic"         # tasks.TASKS
-    iterations: int = 20             # K
+    iterations: int = 15             # K
     num_prompts: int = 4             # B prompts per iteration
     group_size: int = 8              # G
-    max_new_tokens: int = 32         # L_max
-    temperature: float = 1.0         # τ
-    lr: float = 2e-5
+    max_new_tokens: int = 24         # L_max
+    temperature: float = 0.7         # τ
+    lr: float = 1e-5
     beta: float = 0.01               # β
     clip_eps: float = 0.2            # ε
     loss_agg: str = "seq"
@@ -67,7 +67,7 @@ class Config:
     eps: float = 1e-4
     rewards: list = field(default_factory=list)    # default: the task's
     seed: int = 0
-    eval_every: int = 5              # greedy held-out evaluation every this many iterations, and at the end
+    eval_every: int = 5              # greedy held-out evaluation at 0, every this many iterations, and at the end
     eval_prompts: int = 48
     save_every: int = 10             # keep checkpoints/iter_XXXX every this many iterations
     device: str = "auto"
@@ -76,7 +76,7 @@ class Config:
 CONFIGS = {
     "default": Config(),
     "tiny": Config(model="tiny", task="char_classes", iterations=30, num_prompts=8, group_size=8, max_new_tokens=8,
-                   lr=3e-3, eval_every=10, eval_prompts=12, save_every=10),
+                   temperature=1.0, lr=3e-3, eval_every=10, eval_prompts=12, save_every=10),
     # For a GPU: more prompts, longer answers, more iterations; the same code path.
     "gpu": Config(iterations=200, num_prompts=32, group_size=16, max_new_tokens=128, lr=1e-5, eval_every=20,
                   eval_prompts=200, save_every=50),
@@ -143,10 +143,6 @@ def iteration_records(train, i, B, seed):
     return records
 
 
-def iteration_seed(seed, i):
-    return seed * 1_000_003 + i
-
-
 def stage_args(script, parser, commands, **flags):
     """Build a stage's namespace through its own parser (same defaults and checks as the command
     line) and append the equivalent command to `commands`."""
@@ -176,7 +172,7 @@ def run_iteration(i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, trai
     prompts_path = os.path.join(it_dir, "prompts.jsonl")
     records = iteration_records(train, i, cfg.num_prompts, cfg.seed)
     common.write_jsonl(prompts_path, records)
-    seed = iteration_seed(cfg.seed, i)
+    seed = cfg.seed * 1_000_003 + i                          # the sampler's and the shuffle's seed
     perf, commands = {}, []
 
     sargs = stage_args("sample.py", sample.parse_args, commands, model=model_path, prompts=prompts_path, out=it_dir,
@@ -226,14 +222,13 @@ def run_iteration(i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, trai
 
 
 def write_replay(it_dir, i, commands):
-    """replay.sh: this iteration's four stages as commands, writing into $OUT for comparison."""
+    """replay.sh: this iteration's four stages as commands whose outputs go to $OUT, for comparison."""
     out = f"${{OUT:-replay/iter_{i:04d}}}"
-    swaps = {it_dir: out, os.path.join(os.path.dirname(it_dir), "policy"): f"{out}/policy"}
     lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {it_dir}.", "set -e"]
     for argv in commands:
-        argv = [swaps.get(a, a.replace(it_dir + "/", out + "/") if a.endswith((".safetensors", ".jsonl"))
-                          and "prompts.jsonl" not in a else a) for a in argv]
-        lines.append(" ".join(shlex.quote(a) if "$" not in a else f'"{a}"' for a in argv))
+        redirect = [a in ("--out", "--rollouts", "--samples", "--rewards", "--advantages") for a in [""] + argv[:-1]]
+        argv = [(out if a == it_dir else f"{out}/{os.path.basename(a)}") if r else a for a, r in zip(argv, redirect)]
+        lines.append(" ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv))
     with common.atomic_path(os.path.join(it_dir, "replay.sh")) as tmp:
         with open(tmp, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -254,10 +249,10 @@ def evaluate(policy, tokenizer, held_out, reward_fns, cfg, run_dir, step):
         policy, prompt_ids.to(device), prompt_mask.to(device), cfg.max_new_tokens, 0.0,
         common.eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, generator=None)
     ids, mask = ids.cpu(), mask.cpu()
-    rows = [{"group": b, "prompt": texts[b], "completion": tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True),
-             **{k: v for k, v in held_out[b].items() if k not in ("prompt", "completion")}} for b in range(len(held_out))]
-    fake_rollouts = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
-    rewards, _ = score.score(fake_rollouts, rows, reward_fns, [1.0] * len(reward_fns))
+    rows = [{**record, "group": b, "prompt": texts[b],
+             "completion": tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True)} for b, record in enumerate(held_out)]
+    batch = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
+    rewards, _ = score.score(batch, rows, reward_fns, [1.0] * len(reward_fns))
     for row, r in zip(rows, rewards.tolist()):
         row["reward"] = r
     os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
@@ -328,7 +323,7 @@ def main(argv=None):
     for i in bar:
         t0 = time.perf_counter()
         evaluation = {}
-        if cfg.eval_every and i % cfg.eval_every == 0:
+        if i == 0 or (cfg.eval_every and i % cfg.eval_every == 0):
             evaluation = evaluate(policy, tokenizer, held_out, reward_fns, cfg, run_dir, i)
         # The path the stage files record as --model: where the policy that samples iteration i lives.
         model_path = model_dir if i == 0 else policy_dir
@@ -359,12 +354,9 @@ def main(argv=None):
     final = evaluate(policy, tokenizer, held_out, reward_fns, cfg, run_dir, cfg.iterations)
     log(writer, final, cfg.iterations)
     writer.close()
-    summary = f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean']:.3f}"
-    first = os.path.join(run_dir, "eval", "iter_0000.jsonl")
-    if os.path.isfile(first):
-        before = [json.loads(line)["reward"] for line in open(first)]
-        summary += f", before training {sum(before) / len(before):.3f} ({len(before)} prompts, greedy)"
-    print(summary)
+    before = [json.loads(line)["reward"] for line in open(os.path.join(run_dir, "eval", "iter_0000.jsonl"))]
+    print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean']:.3f}, "
+          f"before training {sum(before) / len(before):.3f} ({len(before)} prompts, greedy)")
 
 
 if __name__ == "__main__":

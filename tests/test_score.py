@@ -114,3 +114,16 @@ def test_reward_errors(rollout_dir, tmp_path, monkeypatch):
     assert_user_error(cli("score.py", "--rollouts", rollout_dir / "rollouts.safetensors", "--samples", half,
                           "--out", out, "--reward", "exact_answer"), "half.jsonl", "8 rows", "16")
     assert not out.exists()
+
+
+def test_minimal_hand_written_rollouts(rollout_dir, tmp_path):
+    # score.py needs only group_ids from the rollouts; a file written by hand with just that works.
+    from safetensors.torch import save_file
+
+    minimal = tmp_path / "minimal.safetensors"
+    save_file({"group_ids": torch.arange(4).repeat_interleave(4)}, str(minimal))
+    out = tmp_path / "rewards.safetensors"
+    r = cli("score.py", "--rollouts", minimal, "--samples", rollout_dir / "samples.jsonl",
+            "--reward", "exact_answer", "--out", out)
+    assert r.code == 0, r.err
+    assert load_file(out)["rewards"].shape == (16,)
