@@ -27,6 +27,8 @@ Estimators (--estimator):
 - grpo:    (r − mean) / (std + ε)                     DeepSeekMath (Shao et al., 2024)
 - dr_grpo: r − mean, no division by std                Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training")
 - rloo:    r_i − mean of the other G − 1 rewards       RLOO (Ahmadian et al., 2024) = G/(G−1)·(r − mean)
+- batch:   (r − mean(all N)) / (std(all N) + ε)        ablation only: ignores the groups, which the
+                                                        source article calls the most serious error
 """
 
 
@@ -43,11 +45,13 @@ def parse_args(argv=None):
     p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rewards", required=True, help="rewards.safetensors from score.py")
     p.add_argument("--out", required=True, help="output advantages.safetensors")
-    p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo"],
+    p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo", "batch"],
                    help="grpo: A = (r − mean)/(std + ε) per group (DeepSeekMath, default)\n"
                         "dr_grpo: A = r − mean, no std (Dr. GRPO, Liu et al. 2025)\n"
-                        "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)")
-    p.add_argument("--eps", type=float, default=1e-4, help="ε in (std + ε), grpo only (default 1e-4)")
+                        "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)\n"
+                        "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups; the\n"
+                        "  source article calls this the most serious error a GRPO implementation can make")
+    p.add_argument("--eps", type=float, default=1e-4, help="ε in (std + ε), grpo and batch (default 1e-4)")
     args = p.parse_args(argv)
     if not (math.isfinite(args.eps) and args.eps >= 0):
         raise common.StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
@@ -98,6 +102,15 @@ def rloo_advantages(rewards, group_ids):
     return A.flatten().float(), group_stats(r.mean(-1, keepdim=True), r.std(-1, keepdim=True), zero)
 
 
+def batch_advantages(rewards, eps=1e-4):
+    """A_i = (r_i − mean(r)) / (std(r) + ε) over all N rows. An ablation: a prompt that is easy for
+    every sample now pushes all of them up, and hard prompts push theirs down, whatever their merit."""
+    r = rewards.double()                                                    # [N]
+    if zero_spread(r[None])[0]:
+        return torch.zeros_like(rewards)
+    return ((r - r.mean()) / (r.std() + eps)).float()
+
+
 def group_stats(mean, std, zero):
     return {"group_mean": mean.flatten().float(), "group_std": std.flatten().float(), "zero_std": zero}
 
@@ -110,19 +123,28 @@ def compute(rewards, group_ids, args):
         A, stats = dr_grpo_advantages(rewards, group_ids)
     elif args.estimator == "rloo":
         A, stats = rloo_advantages(rewards, group_ids)
+    elif args.estimator == "batch":
+        A, stats = batch_advantages(rewards, args.eps), {}
+        B, G = common.check_groups(group_ids, "group_ids")
+        if G > 1:                                                           # per-group diagnostics still apply
+            r = rewards.double().reshape(B, G)                              # [B, G]
+            stats = group_stats(r.mean(-1), r.std(-1), zero_spread(r))
     return {"advantages": A, "group_ids": group_ids, **stats}
 
 
 def main(argv=None):
     args = parse_args(argv)
     data, _, _ = common.load_tensors(args.rewards, common.REWARDS)
-    group_rewards(data["rewards"], data["group_ids"], args.rewards)  # groups and G ≥ 2, checked with the file's name
+    if args.estimator == "batch":                                       # groups and G ≥ 2, checked with the file's name
+        common.check_groups(data["group_ids"], args.rewards)
+    else:
+        group_rewards(data["rewards"], data["group_ids"], args.rewards)
     tensors = compute(data["rewards"], data["group_ids"], args)
     common.save_tensors(args.out, tensors, common.ADVANTAGES[0], vars(args))
-    zero = tensors["zero_std"]
+    zero = tensors.get("zero_std", torch.zeros(0, dtype=torch.bool))
     print(f"{args.estimator} advantages for {data['rewards'].numel()} completions in {zero.numel()} groups: "
-          f"frac_zero_std {zero.float().mean().item():.3f} ({int(zero.sum())} groups with all-equal rewards get 0); "
-          f"wrote {args.out}")
+          f"frac_zero_std {zero.float().mean().item() if zero.numel() else 0:.3f} ({int(zero.sum())} groups with "
+          f"all-equal rewards{' get 0' if args.estimator != 'batch' else ''}); wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,29 @@ def pad_right(tensors, value):
     return torch.cat([common.pad_columns(t, T, value) for t in tensors])
 
 
+def concat_rollouts(parts, pad_id):
+    """Stack whole groups of several rollouts dicts: prompts re-padded on the left, completions on the
+    right, group_ids renumbered 0..B−1 in order. Each part holds complete groups."""
+    P = max(part["prompt_ids"].shape[1] for part in parts)
+    T = max(part["completion_ids"].shape[1] for part in parts)
+    out, offset, groups = {}, 0, []
+    for part in parts:
+        _, first = torch.unique_consecutive(part["group_ids"], return_inverse=True)
+        groups.append(first + offset)
+        offset += int(first.max()) + 1
+    for key in parts[0]:
+        value = pad_id if key.endswith("_ids") else 0                     # masks: False, log-probs: 0
+        if key.startswith("prompt"):
+            pieces = [torch.nn.functional.pad(p[key], (P - p[key].shape[1], 0), value=value) for p in parts]
+        elif parts[0][key].dim() == 2:
+            pieces = [common.pad_columns(p[key], T, value) for p in parts]
+        else:
+            pieces = [p[key] for p in parts]
+        out[key] = torch.cat(pieces)
+    out["group_ids"] = torch.cat(groups)                                                    # [N]
+    return out
+
+
 def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, prompts_path="prompts"):
     """Sample G completions for each record; return (tensors for rollouts.safetensors, samples.jsonl rows)."""
     device = next(policy.parameters()).device

@@ -22,6 +22,9 @@ A --reward SPEC is one of
   assistant's reply.
 
 Every reward must be a finite number: None, NaN or ±inf is an error naming the rows.
+
+--overlong-buffer L adds DAPO's soft overlong punishment (reward/overlong, weight 1), from the
+completion lengths |o| (completion_mask, first EOS included) and L_max = max_new_tokens.
 """
 
 import importlib
@@ -46,6 +49,12 @@ def parse_args(argv=None):
                         "path/file.py:function, or a reward-model folder; repeat or list several")
     p.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
                    help="w_k: one weight per --reward; r = Σ_k w_k r_k (default: all 1.0)")
+    p.add_argument("--overlong-buffer", type=int, default=0, metavar="L",
+                   help="DAPO's overlong reward shaping (Yu et al. 2025), added as reward/overlong: with\n"
+                        "L_max = max_new_tokens, 0 up to L_max − L tokens, linear down to −1 at L_max,\n"
+                        "−1 beyond (default 0: off)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="L_max for --overlong-buffer (default: the sampling limit in the rollouts' metadata)")
     p.add_argument("--out", required=True, help="output rewards.safetensors")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model forward pass (default 0: all)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
@@ -167,6 +176,18 @@ def score(rollouts, samples, reward_fns, weights):
     return total, components
 
 
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong punishment per completion: 0 for |o| ≤ L_max − L, then (L_max − L − |o|)/L
+    down to −1 at |o| = L_max, and −1 beyond. lengths [N] -> [N]"""
+    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
+
+
+def add_overlong(rewards, components, completion_mask, max_len, buffer):
+    """Add the overlong penalty to the total with weight 1 and keep it as the component 'overlong'."""
+    components["overlong"] = overlong_penalty(completion_mask.sum(-1), max_len, buffer)      # [N]
+    return rewards + components["overlong"]
+
+
 def write_rewards(path, rewards, group_ids, components, args):
     tensors = {"rewards": rewards, "group_ids": group_ids, **{f"reward/{k}": v for k, v in components.items()}}
     common.save_tensors(path, tensors, common.REWARDS[0], vars(args))
@@ -189,13 +210,24 @@ ROLLOUTS_FOR_SCORING = (common.ROLLOUTS[0], {k: (kind, shapes, k == "group_ids")
 
 def main(argv=None):
     args = parse_args(argv)
-    rollouts, _, _ = common.load_tensors(args.rollouts, ROLLOUTS_FOR_SCORING)
+    rollouts, meta, _ = common.load_tensors(args.rollouts, ROLLOUTS_FOR_SCORING)
+    if args.overlong_buffer:
+        args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens")
+        if "completion_mask" not in rollouts or not args.max_new_tokens:
+            raise common.StageError(f"{args.rollouts}: --overlong-buffer needs 'completion_mask' and L_max "
+                                    f"(--max-new-tokens, or max_new_tokens in the file's metadata)")
+        if not 0 < args.overlong_buffer <= args.max_new_tokens:
+            raise common.StageError(f"--overlong-buffer must be in 1..L_max={args.max_new_tokens}, "
+                                    f"got {args.overlong_buffer}")
     samples = common.read_jsonl(args.samples)
     check_samples(samples, rollouts["group_ids"], args.samples)
     device = common.pick_device(args.device)
     reward_fns = [load_reward(spec, device, args.micro_batch_size) for spec in args.reward]
 
     rewards, components = score(rollouts, samples, reward_fns, args.reward_weights)
+    if args.overlong_buffer:
+        rewards = add_overlong(rewards, components, rollouts["completion_mask"], args.max_new_tokens,
+                               args.overlong_buffer)
     write_rewards(args.out, rewards, rollouts["group_ids"], components, args)
     parts = ", ".join(f"{k} {v.mean().item():.3f}" for k, v in components.items())
     print(f"scored {len(samples)} completions: reward mean {rewards.mean().item():.4f} "

@@ -17,6 +17,12 @@ re-run one stage at a time from the files (README: "Replaying an iteration"). Th
     runs/NAME/eval/iter_XXXX.jsonl     greedy held-out completions of the policy after XXXX iterations
     runs/NAME/tb/                      TensorBoard events (charts/, losses/, eval/, perf/, sampled texts)
 
+Variants: every flag of the stages' variants is also a field here (--estimator, --loss-agg,
+--clip-eps-high, --dual-clip, --ratio-level, --kl-estimator, --overlong-buffer), and
+--dynamic-sampling adds DAPO's dynamic sampling, which lives here because it needs rewards to
+decide what to sample: with it the files hold the informative groups of up to --max-sample-rounds
+rounds (round r of iteration i uses the records and seed of slot i·R + r), and no replay.sh.
+
 Randomness: every draw of iteration i comes from generators seeded from (seed, i): the order of
 the training records (a seeded shuffle per pass over them), the sampler, the minibatch shuffle.
 No RNG state crosses iterations, so --resume needs only the policy and its optimizer state and
@@ -59,6 +65,10 @@ class Config:
     lr: float = 1e-5
     beta: float = 0.01               # β
     clip_eps: float = 0.2            # ε
+    clip_eps_high: float = None      # ε_high (DAPO's clip-higher: 0.28); None = ε
+    dual_clip: float = None          # C of dual-clip PPO; None = off
+    ratio_level: str = "token"       # "sequence" = GSPO
+    kl_estimator: str = "k3"
     loss_agg: str = "seq"
     epochs: int = 1                  # μ
     minibatch_size: int = 0          # 0: one optimizer step per epoch
@@ -66,6 +76,9 @@ class Config:
     estimator: str = "grpo"
     eps: float = 1e-4
     rewards: list = field(default_factory=list)    # default: the task's
+    overlong_buffer: int = 0         # DAPO's overlong reward shaping, L tokens; 0 = off
+    dynamic_sampling: bool = False   # DAPO's dynamic sampling: refill the batch with informative groups
+    max_sample_rounds: int = 3
     seed: int = 0
     eval_every: int = 5              # greedy held-out evaluation at 0, every this many iterations, and at the end
     eval_prompts: int = 48
@@ -91,9 +104,12 @@ def parse_args(argv=None):
     help_of = {"iterations": "K: iterations", "num_prompts": "B: prompts per iteration", "group_size": "G",
                "max_new_tokens": "L_max", "temperature": "τ", "beta": "β", "clip_eps": "ε", "epochs": "μ"}
     for f in dataclasses.fields(Config):
-        kind = str if f.name == "rewards" else f.type
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, nargs="+" if f.name == "rewards" else None,
-                       help=f"{help_of.get(f.name, f.name)} (default: from --config)")
+        flag, text = "--" + f.name.replace("_", "-"), f"{help_of.get(f.name, f.name)} (default: from --config)"
+        if f.type is bool:
+            p.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            kind = str if f.name == "rewards" else f.type
+            p.add_argument(flag, type=kind, default=None, nargs="+" if f.name == "rewards" else None, help=text)
     args = p.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
     return args, overrides
@@ -164,32 +180,77 @@ def timed(perf, key):
     perf[key] = perf.get(key, 0.0) + time.perf_counter() - t
 
 
+def sample_and_score(slot, cfg, it_dir, policy, tokenizer, ref_model, train, reward_fns, model_path, ref_path,
+                     perf, commands):
+    """Stages 1 and 2 in memory for the B records of `slot`: G completions each and their rewards."""
+    records = iteration_records(train, slot, cfg.num_prompts, cfg.seed)
+    prompts_path = os.path.join(it_dir, "prompts.jsonl")
+    sargs = stage_args("sample.py", sample.parse_args, commands, model=model_path, prompts=prompts_path, out=it_dir,
+                       group_size=cfg.group_size, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
+                       temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + slot, ref_model=ref_path,
+                       device=cfg.device)
+    with timed(perf, "perf/sample_s"):
+        rollouts, samples = sample.rollout(policy, tokenizer, records, sargs, ref_model, prompts_path=prompts_path)
+        rollouts = {k: v.cpu() for k, v in rollouts.items()}
+    rargs = stage_args("score.py", score.parse_args, commands, rollouts=os.path.join(it_dir, "rollouts.safetensors"),
+                       samples=os.path.join(it_dir, "samples.jsonl"), reward=cfg.rewards,
+                       overlong_buffer=cfg.overlong_buffer or None, max_new_tokens=cfg.max_new_tokens,
+                       out=os.path.join(it_dir, "rewards.safetensors"), device=cfg.device)
+    with timed(perf, "perf/score_s"):
+        rewards, components = score.score(rollouts, samples, reward_fns, rargs.reward_weights)
+        if cfg.overlong_buffer:
+            rewards = score.add_overlong(rewards, components, rollouts["completion_mask"], cfg.max_new_tokens,
+                                         cfg.overlong_buffer)
+    return [records, rollouts, samples, rewards, components], sargs, rargs
+
+
+def dapo_dynamic_sampling(i, cfg, perf, sample_round, pad_id):
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal give no gradient, so
+    they are dropped and more prompts sampled, until B informative groups or --max-sample-rounds."""
+    B, G = cfg.num_prompts, cfg.group_size
+    kept, last = [], None
+    for r in range(cfg.max_sample_rounds):
+        last, sargs, rargs = sample_round(i * cfg.max_sample_rounds + r)
+        informative = ~advantage.zero_spread(last[3].double().reshape(B, G))                  # [B]
+        kept += [(last, b) for b in range(B) if informative[b]]
+        perf["charts/sample_rounds"] = r + 1
+        if len(kept) >= B:
+            break
+    perf["charts/informative_groups"] = min(len(kept), B)
+    if not kept:                                              # nothing informative: train on the last round as is
+        kept = [(last, b) for b in range(B)]
+    kept = kept[:B]
+    rows = [slice(b * G, (b + 1) * G) for _, b in kept]
+    rollouts = sample.concat_rollouts([{k: v[idx] for k, v in part[1].items()} for (part, _), idx in zip(kept, rows)],
+                                      pad_id)
+    records = [part[0][b] for part, b in kept]
+    samples = [dict(s, group=g) for g, ((part, _), idx) in enumerate(zip(kept, rows)) for s in part[2][idx]]
+    rewards = torch.cat([part[3][idx] for (part, _), idx in zip(kept, rows)])
+    components = {k: torch.cat([part[4][k][idx] for (part, _), idx in zip(kept, rows)]) for k in last[4]}
+    return [records, rollouts, samples, rewards, components], sargs, rargs
+
+
 def run_iteration(i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, train, reward_fns, model_path, ref_path):
     """Stages 1→4 on the in-memory models, each stage's file written as its script would write it."""
     it_dir = os.path.join(run_dir, f"iter_{i:04d}")
     shutil.rmtree(it_dir, ignore_errors=True)                 # a partial iteration is redone from scratch
     os.makedirs(it_dir)
-    prompts_path = os.path.join(it_dir, "prompts.jsonl")
-    records = iteration_records(train, i, cfg.num_prompts, cfg.seed)
-    common.write_jsonl(prompts_path, records)
-    seed = cfg.seed * 1_000_003 + i                          # the sampler's and the shuffle's seed
     perf, commands = {}, []
 
-    sargs = stage_args("sample.py", sample.parse_args, commands, model=model_path, prompts=prompts_path, out=it_dir,
-                       group_size=cfg.group_size, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.temperature, seed=seed, ref_model=ref_path, device=cfg.device)
-    with timed(perf, "perf/sample_s"):
-        rollouts, samples = sample.rollout(policy, tokenizer, records, sargs, ref_model, prompts_path=prompts_path)
-        rollouts = {k: v.cpu() for k, v in rollouts.items()}
-    with timed(perf, "perf/io_s"):
-        sample.write_outputs(it_dir, rollouts, samples, sargs)
+    def sample_round(slot):
+        commands.clear()
+        return sample_and_score(slot, cfg, it_dir, policy, tokenizer, ref_model, train, reward_fns, model_path,
+                                ref_path, perf, commands)
 
-    rargs = stage_args("score.py", score.parse_args, commands, rollouts=os.path.join(it_dir, "rollouts.safetensors"),
-                       samples=os.path.join(it_dir, "samples.jsonl"), reward=cfg.rewards,
-                       out=os.path.join(it_dir, "rewards.safetensors"), device=cfg.device)
-    with timed(perf, "perf/score_s"):
-        rewards, components = score.score(rollouts, samples, reward_fns, rargs.reward_weights)
+    if cfg.dynamic_sampling:
+        batch, sargs, rargs = dapo_dynamic_sampling(i, cfg, perf, sample_round, tokenizer.pad_token_id)
+        sargs.dapo_dynamic_sampling = True                    # the file holds the informative groups of several rounds
+    else:
+        batch, sargs, rargs = sample_round(i)
+    records, rollouts, samples, rewards, components = batch
     with timed(perf, "perf/io_s"):
+        common.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), records)
+        sample.write_outputs(it_dir, rollouts, samples, sargs)
         score.write_rewards(rargs.out, rewards, rollouts["group_ids"], components, rargs)
 
     aargs = stage_args("advantage.py", advantage.parse_args, commands, rewards=rargs.out,
@@ -200,9 +261,11 @@ def run_iteration(i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, trai
 
     uargs = stage_args("update.py", update.parse_args, commands, model=model_path, rollouts=rargs.rollouts,
                        advantages=aargs.out, out=os.path.join(run_dir, "policy"), lr=cfg.lr, beta=cfg.beta,
-                       clip_eps=cfg.clip_eps, loss_agg=cfg.loss_agg, epochs=cfg.epochs,
-                       minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
-                       temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed, device=cfg.device)
+                       clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
+                       ratio_level=cfg.ratio_level, kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg,
+                       epochs=cfg.epochs, minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
+                       temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                       seed=cfg.seed * 1_000_003 + i, device=cfg.device)
     with timed(perf, "perf/update_s"):
         losses = update.update(policy, optimizer, rollouts, adv["advantages"], uargs, cfg.temperature,
                                cfg.max_new_tokens)
@@ -212,7 +275,7 @@ def run_iteration(i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, trai
         "iteration": i,
         "charts/reward_mean": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
         **{f"charts/reward/{k}": v.mean().item() for k, v in components.items()},
-        "charts/frac_zero_std": adv["zero_std"].float().mean().item(),
+        "charts/frac_zero_std": advantage.zero_spread(rewards.double().reshape(-1, cfg.group_size)).float().mean().item(),
         "charts/completion_len": lengths.mean().item(),
         "charts/truncated_frac": rollouts["truncated"].float().mean().item(),
         **{f"losses/{k}": v for k, v in losses.items()},
@@ -331,7 +394,7 @@ def main(argv=None):
             model_path = keep_checkpoint(run_dir, i)
         it_dir, metrics, samples, rewards, uargs, commands = run_iteration(
             i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, train, reward_fns, model_path, ref_path)
-        if model_path != policy_dir:                          # the sampling policy is kept: replayable
+        if model_path != policy_dir and not cfg.dynamic_sampling:   # the sampling policy is kept: replayable
             write_replay(it_dir, i, commands)
         metrics.update(evaluation)
         t = time.perf_counter()

@@ -18,6 +18,10 @@ Example:
     python update.py --model ckpt/ --rollouts it0/rollouts.safetensors --advantages it0/advantages.safetensors \\
         --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2 --loss-agg seq --epochs 1 --minibatch-size 16
 
+Variants (one flag beside one `if` each; README's table has the formulas): --loss-agg token|dr_grpo,
+--clip-eps-high (DAPO), --dual-clip (dual-clip PPO), --ratio-level sequence (GSPO),
+--kl-estimator k1|k2 (Schulman's estimators).
+
 Choices where the paper and DESIGN.md are silent:
 - log π_old is the rollouts' old_logprobs, never recomputed: the file is the record of what was
   sampled. log π_θ is recomputed with common.completion_logprobs at the sampling temperature
@@ -58,6 +62,15 @@ def parse_args(argv=None):
                    help="seq: mean over sequences of the token mean (DeepSeekMath, default)\n"
                         "token: Σ over tokens / token count (DAPO)\n"
                         "dr_grpo: Σ over tokens / (N × L_max) (Dr. GRPO)")
+    p.add_argument("--dual-clip", type=float, default=None, metavar="C",
+                   help="C > 1: for A < 0 cap the token loss at C·|A| (dual-clip PPO, Ye et al. 2020; default off)")
+    p.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
+                   help="token: ρ_t per token (PPO, GRPO; default)\n"
+                        "sequence: one ρ_i = exp(mean_t log ρ_t) per completion, clipped per sequence\n"
+                        "(GSPO, Zheng et al. 2025; it uses a far smaller ε: --clip-eps 3e-4 --clip-eps-high 4e-4)")
+    p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
+                   help="estimator of KL(π_θ‖π_ref) in the loss, x = log π_ref − log π_θ (Schulman 2020):\n"
+                        "k1 = −x, k2 = x²/2, k3 = eˣ − x − 1 (default; metrics.json's kl is always k3)")
     p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
     p.add_argument("--minibatch-size", type=int, default=0,
                    help="completions per optimizer step (default 0: all N, one step per epoch)")
@@ -75,25 +88,42 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise common.StageError(f"--dual-clip must be > 1 (it caps the loss above the clipped term), got {args.dual_clip}")
     if args.epochs < 1:
         raise common.StageError(f"--epochs must be at least 1, got {args.epochs}")
     return args
 
 
-def grpo_token_loss(logp, old_logp, ref_logp, advantages, beta, clip_eps, clip_eps_high):
+def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, beta, clip_eps, clip_eps_high,
+                    dual_clip=None, ratio_level="token", kl_estimator="k3"):
     """ℓ_t of DESIGN.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T]."""
     A = advantages[:, None] if advantages.dim() == 1 else advantages          # [n, 1] or [n, T]
-    ratio = torch.exp(logp - old_logp)                                         # ρ_t            [n, T]
+    log_ratio = logp - old_logp                                                # [n, T]
+    if ratio_level == "sequence":  # GSPO: one ratio per completion, exp of the mean token log-ratio
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = log_ratio.expand_as(logp)                                  # [n, T], constant along T
+    ratio = torch.exp(log_ratio)                                               # ρ_t            [n, T]
     pg_unclipped = ratio * A                                                   # ρ_t·A
     pg_clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * A      # clip(ρ_t)·A
     pg_loss = -torch.min(pg_unclipped, pg_clipped)                             # −min(·,·)      [n, T]
+    dual_clipped = torch.zeros_like(mask)
+    if dual_clip is not None:      # dual-clip PPO: with A < 0 the loss is at most C·|A|, however large ρ gets
+        dual_clipped = (A < 0) & (pg_loss > dual_clip * A.abs())
+        pg_loss = torch.where(dual_clipped, dual_clip * A.abs(), pg_loss)
     if ref_logp is not None:
-        log_ref_ratio = ref_logp - logp                                        # log π_ref − log π_θ
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                      # k3_t           [n, T]
+        x = ref_logp - logp                                                    # log π_ref − log π_θ
+        kl = torch.exp(x) - x - 1                                              # k3_t, the KL that is reported
+        if kl_estimator == "k1":
+            penalty = -x
+        elif kl_estimator == "k2":
+            penalty = x ** 2 / 2
+        else:
+            penalty = kl
     else:
-        kl = torch.zeros_like(logp)
-    loss = pg_loss + beta * kl                                                 # ℓ_t            [n, T]
-    terms = {"pg_loss": pg_loss, "kl": kl, "ratio": ratio,
+        kl = penalty = torch.zeros_like(logp)
+    loss = pg_loss + beta * penalty                                            # ℓ_t            [n, T]
+    terms = {"pg_loss": pg_loss, "kl": kl, "kl_penalty": penalty, "ratio": ratio, "dual_clipped": dual_clipped,
              "clipped_low": (ratio < 1 - clip_eps) & (A < 0),                  # the clip is the active term
              "clipped_high": (ratio > 1 + clip_eps_high) & (A > 0)}
     return loss, terms
@@ -124,7 +154,8 @@ def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_t
             rows = order[mb]                                                           # [M]
             mask = rollouts["completion_mask"][rows]                                   # [M, T]
             num_seqs, num_tokens = len(rows), int(mask.sum())
-            sums = dict.fromkeys(["loss", "policy_loss", "kl", "clip_low", "clip_high", "ratio", "entropy"], 0.0)
+            sums = dict.fromkeys(["loss", "policy_loss", "kl", "kl_penalty", "clip_low", "clip_high", "dual", "ratio",
+                                  "entropy"], 0.0)
             ratio_max = 0.0
             optimizer.zero_grad(set_to_none=True)
             for micro in common.row_slices(len(rows), args.micro_batch_size):
@@ -135,17 +166,17 @@ def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_t
                     policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], m,
                     temperature, with_entropy=True)                                    # [n, T]
                 token_loss, terms = grpo_token_loss(
-                    logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages[idx].to(device),
-                    args.beta, args.clip_eps, args.clip_eps_high)
+                    logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages[idx].to(device), m,
+                    args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level, args.kl_estimator)
                 loss = aggregate(token_loss, m, args.loss_agg, num_seqs, num_tokens, max_new_tokens)
                 loss.backward()
                 with torch.no_grad():
                     sums["loss"] += loss.item()
                     sums["policy_loss"] += aggregate(terms["pg_loss"], m, args.loss_agg, num_seqs, num_tokens,
                                                      max_new_tokens).item()
-                    for key, term in (("kl", terms["kl"]), ("clip_low", terms["clipped_low"]),
-                                      ("clip_high", terms["clipped_high"]), ("ratio", terms["ratio"]),
-                                      ("entropy", entropy)):
+                    for key, term in (("kl", terms["kl"]), ("kl_penalty", terms["kl_penalty"]),
+                                      ("clip_low", terms["clipped_low"]), ("clip_high", terms["clipped_high"]),
+                                      ("dual", terms["dual_clipped"]), ("ratio", terms["ratio"]), ("entropy", entropy)):
                         sums[key] += torch.where(m, term.float(), 0.0).sum().item()
                     ratio_max = max(ratio_max, terms["ratio"][m].max().item())
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
@@ -153,8 +184,10 @@ def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_t
             steps.append({
                 "loss": sums["loss"], "policy_loss": sums["policy_loss"],
                 "kl": sums["kl"] / num_tokens if ref is not None else None,
+                "kl_penalty": sums["kl_penalty"] / num_tokens if ref is not None else None,
                 "clip_frac": (sums["clip_low"] + sums["clip_high"]) / num_tokens,
                 "clip_frac_low": sums["clip_low"] / num_tokens, "clip_frac_high": sums["clip_high"] / num_tokens,
+                "clip_frac_dual": sums["dual"] / num_tokens,
                 "ratio_mean": sums["ratio"] / num_tokens, "ratio_max": ratio_max,
                 "entropy": sums["entropy"] / num_tokens, "grad_norm": grad_norm, "tokens": num_tokens,
             })

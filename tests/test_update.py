@@ -37,7 +37,7 @@ def hand_batch():
 
 def test_token_loss_hand_vector():
     logp, old, ref, adv, mask = hand_batch()
-    loss, terms = update.grpo_token_loss(logp, old, ref, adv, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
+    loss, terms = update.grpo_token_loss(logp, old, ref, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
     expected_pg = torch.tensor([[-1.2, -0.5, -1.0], [1.6, 3.0, 2.2]])
     torch.testing.assert_close(terms["pg_loss"], expected_pg)
     torch.testing.assert_close(terms["kl"], torch.full((2, 3), K3_AT_LN2))
@@ -48,7 +48,7 @@ def test_token_loss_hand_vector():
 
 def test_clip_higher_is_asymmetric():
     logp, old, ref, adv, mask = hand_batch()
-    _, terms = update.grpo_token_loss(logp, old, ref, adv, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
+    _, terms = update.grpo_token_loss(logp, old, ref, adv, mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
     # ρ = 1.5 with A = +1 is now clipped at 1.28; the low side is unchanged.
     assert terms["pg_loss"][0, 0].item() == pytest.approx(-1.28)
     assert terms["pg_loss"][1, 0].item() == pytest.approx(1.6)
@@ -64,7 +64,7 @@ def test_clip_higher_is_asymmetric():
 ])
 def test_aggregation_hand_vector(loss_agg, expected):
     logp, old, ref, adv, mask = hand_batch()
-    loss, _ = update.grpo_token_loss(logp, old, ref, adv, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
+    loss, _ = update.grpo_token_loss(logp, old, ref, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
     value = update.aggregate(loss, mask, loss_agg, num_seqs=2, num_tokens=5, max_new_tokens=4)
     assert value.item() == pytest.approx(expected, abs=1e-6)
     # Split into one micro-batch per row, normalised by the minibatch: the same total.
@@ -93,7 +93,8 @@ def test_left_padding_does_not_change_logprobs(models):
 def run_update(model_dir, rollouts, advantages, **overrides):
     policy = common.load_model(model_dir, "cpu")
     args = SimpleNamespace(lr=1e-3, weight_decay=0.0, beta=0.01, clip_eps=0.2, clip_eps_high=0.2, loss_agg="seq",
-                           epochs=1, minibatch_size=0, micro_batch_size=0, max_grad_norm=1e9, seed=0)
+                           epochs=1, minibatch_size=0, micro_batch_size=0, max_grad_norm=1e9, seed=0,
+                           dual_clip=None, ratio_level="token", kl_estimator="k3")
     vars(args).update(overrides)
     optimizer = update.make_optimizer(policy, args.lr)
     metrics = update.update(policy, optimizer, rollouts, advantages, args, temperature=0.7, max_new_tokens=40)
