@@ -10,6 +10,7 @@ Writes  --out FILE      advantages.safetensors (schema advantages/1)
             advantages [N] f32   one value per completion
             group_ids [N] i64    copied through
             group_mean [B] f32, group_std [B] f32, zero_std [B] bool   diagnostics per group
+                                 (per stratum, [B·S], with --length-strata S)
 
 Example:
     python advantage.py --rewards it0/rewards.safetensors --out it0/advantages.safetensors --estimator grpo --eps 1e-4
@@ -19,8 +20,8 @@ Conventions (DESIGN.md):
   [B, G] and normalised along G only, never over the batch.
 - std is Bessel-corrected (divides by G − 1, torch.std's default), so G = 1 is an error.
 - A group whose rewards are all equal carries no signal and gets exactly 0, decided explicitly:
-  "equal" means a spread max − min of at most 1e-6·max|r|, so float32 residue (0.1 + 0.2 vs 0.3)
-  does not turn into ±0.7 advantages. The fraction of such groups is printed (frac_zero_std).
+  "equal" means a spread max − min of at most 4 float32 ulps of max|r|, so float32 residue
+  (0.1 + 0.2 vs 0.3) does not turn into ±0.7 advantages, while rewards 1e6 and 1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
 - Arithmetic is in float64; the file holds float32.
 
 Estimators (--estimator):
@@ -32,13 +33,14 @@ Estimators (--estimator):
 """
 
 
+import argparse
 import math
 
 import torch
 
 import common
 
-ZERO_SPREAD_RTOL = 1e-6  # a few float32 ulps: rewards this close are one value
+ZERO_SPREAD_RTOL = 4 * torch.finfo(torch.float32).eps  # 4 float32 ulps: rewards this close are one value
 
 
 def parse_args(argv=None):
@@ -52,7 +54,14 @@ def parse_args(argv=None):
                         "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups; the\n"
                         "  source article calls this the most serious error a GRPO implementation can make")
     p.add_argument("--eps", type=float, default=1e-4, help="ε in (std + ε), grpo and batch (default 1e-4)")
+    p.add_argument("--length-strata", type=int, default=1, metavar="S",
+                   help="S: split each prompt's G completions by length into S strata of G/S (shortest first)\n"
+                        "and compute the estimator within each, so that a completion competes only with\n"
+                        "others of similar length (the source article's remedy for length bias; needs\n"
+                        "'lengths' in the rewards file; default 1: the whole group)")
     args = p.parse_args(argv)
+    if args.length_strata < 1:
+        raise common.StageError(f"--length-strata must be at least 1, got {args.length_strata}")
     if not (math.isfinite(args.eps) and args.eps >= 0):
         raise common.StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
     return args
@@ -74,32 +83,28 @@ def zero_spread(r):
 
 
 def grpo_advantages(rewards, group_ids, eps=1e-4):
-    """A_i = (r_i − mean) / (std + ε) within each group; 0 for all-equal groups. Returns (A [N], stats)."""
+    """A_i = (r_i − mean) / (std + ε) within each group; exactly 0 for all-equal groups. [N] -> [N]"""
     r = group_rewards(rewards, group_ids)                                   # [B, G]
     mean = r.mean(-1, keepdim=True)                                         # [B, 1]
     std = r.std(-1, keepdim=True)                                           # [B, 1] Bessel-corrected
-    zero = zero_spread(r)                                                   # [B]
-    A = torch.where(zero[:, None], 0.0, (r - mean) / (std + eps))           # [B, G]
-    return A.flatten().float(), group_stats(mean, std, zero)
+    A = torch.where(zero_spread(r)[:, None], 0.0, (r - mean) / (std + eps))  # [B, G]
+    return A.flatten().float()
 
 
 def dr_grpo_advantages(rewards, group_ids):
-    """A_i = r_i − mean (Dr. GRPO: no std division, so easy and hard prompts weigh alike)."""
+    """A_i = r_i − mean (Dr. GRPO: no std division, so easy and hard prompts weigh alike). [N] -> [N]"""
     r = group_rewards(rewards, group_ids)                                   # [B, G]
-    mean = r.mean(-1, keepdim=True)                                         # [B, 1]
-    zero = zero_spread(r)                                                   # [B]
-    A = torch.where(zero[:, None], 0.0, r - mean)                           # [B, G]
-    return A.flatten().float(), group_stats(mean, r.std(-1, keepdim=True), zero)
+    A = torch.where(zero_spread(r)[:, None], 0.0, r - r.mean(-1, keepdim=True))  # [B, G]
+    return A.flatten().float()
 
 
 def rloo_advantages(rewards, group_ids):
-    """A_i = r_i − (Σ_{j≠i} r_j) / (G − 1), the leave-one-out baseline (RLOO)."""
+    """A_i = r_i − (Σ_{j≠i} r_j) / (G − 1), the leave-one-out baseline (RLOO). [N] -> [N]"""
     r = group_rewards(rewards, group_ids)                                   # [B, G]
     G = r.shape[1]
     baseline = (r.sum(-1, keepdim=True) - r) / (G - 1)                      # [B, G]
-    zero = zero_spread(r)                                                   # [B]
-    A = torch.where(zero[:, None], 0.0, r - baseline)                       # [B, G]
-    return A.flatten().float(), group_stats(r.mean(-1, keepdim=True), r.std(-1, keepdim=True), zero)
+    A = torch.where(zero_spread(r)[:, None], 0.0, r - baseline)             # [B, G]
+    return A.flatten().float()
 
 
 def batch_advantages(rewards, eps=1e-4):
@@ -111,35 +116,59 @@ def batch_advantages(rewards, eps=1e-4):
     return ((r - r.mean()) / (r.std() + eps)).float()
 
 
-def group_stats(mean, std, zero):
-    return {"group_mean": mean.flatten().float(), "group_std": std.flatten().float(), "zero_std": zero}
+def group_stats(rewards, group_ids):
+    """Per-group diagnostics: group_mean [B], group_std [B] (Bessel), zero_std [B] bool."""
+    r = group_rewards(rewards, group_ids)                                   # [B, G]
+    return {"group_mean": r.mean(-1).float(), "group_std": r.std(-1).float(), "zero_std": zero_spread(r)}
 
 
-def compute(rewards, group_ids, args):
-    """The advantages file's tensors for args.estimator."""
+def length_strata(group_ids, lengths, strata, path="rewards"):
+    """Regroup each prompt's G rows into `strata` groups of G/S rows of similar length.
+
+    Returns (order [N], strata_ids [N]): rows `order` of the batch, in which each stratum is
+    contiguous, and the stratum id of each of them (prompt b's strata are b·S .. b·S + S − 1).
+    """
+    B, G = common.check_groups(group_ids, path)
+    if G % strata or G // strata < 2:
+        raise common.StageError(f"--length-strata {strata}: each group's G = {G} rows must split into strata of "
+                                f"equal size of at least 2 (S must divide G and be at most G/2)")
+    by_length = torch.argsort(lengths.reshape(B, G), dim=-1, stable=True)           # [B, G] shortest first
+    order = (by_length + torch.arange(B)[:, None] * G).flatten()                    # [N]
+    strata_ids = torch.arange(B * strata).repeat_interleave(G // strata)             # [N]
+    return order, strata_ids
+
+
+def compute(rewards, group_ids, args, lengths=None):
+    """The advantages file's tensors for args.estimator (within length strata with --length-strata)."""
+    if getattr(args, "length_strata", 1) > 1:
+        order, strata_ids = length_strata(group_ids, lengths, args.length_strata)
+        inner = compute(rewards[order], strata_ids, argparse.Namespace(**{**vars(args), "length_strata": 1}))
+        A = torch.empty_like(inner["advantages"])
+        A[order] = inner["advantages"]                                              # back to the file's row order
+        return {**inner, "advantages": A, "group_ids": group_ids}
     if args.estimator == "grpo":
-        A, stats = grpo_advantages(rewards, group_ids, args.eps)
+        A = grpo_advantages(rewards, group_ids, args.eps)
     elif args.estimator == "dr_grpo":
-        A, stats = dr_grpo_advantages(rewards, group_ids)
+        A = dr_grpo_advantages(rewards, group_ids)
     elif args.estimator == "rloo":
-        A, stats = rloo_advantages(rewards, group_ids)
+        A = rloo_advantages(rewards, group_ids)
     elif args.estimator == "batch":
-        A, stats = batch_advantages(rewards, args.eps), {}
-        B, G = common.check_groups(group_ids, "group_ids")
-        if G > 1:                                                           # per-group diagnostics still apply
-            r = rewards.double().reshape(B, G)                              # [B, G]
-            stats = group_stats(r.mean(-1), r.std(-1), zero_spread(r))
-    return {"advantages": A, "group_ids": group_ids, **stats}
+        A = batch_advantages(rewards, args.eps)
+        if common.check_groups(group_ids, "group_ids")[1] < 2:              # no groups to describe
+            return {"advantages": A, "group_ids": group_ids}
+    return {"advantages": A, "group_ids": group_ids, **group_stats(rewards, group_ids)}
 
 
 def main(argv=None):
     args = parse_args(argv)
     data, _, _ = common.load_tensors(args.rewards, common.REWARDS)
-    if args.estimator == "batch":                                       # groups and G ≥ 2, checked with the file's name
-        common.check_groups(data["group_ids"], args.rewards)
+    if args.estimator == "batch":                                       # groups checked with the file's name;
+        common.check_groups(data["group_ids"], args.rewards)              # G = 1 is allowed: no group is used
     else:
         group_rewards(data["rewards"], data["group_ids"], args.rewards)
-    tensors = compute(data["rewards"], data["group_ids"], args)
+    if args.length_strata > 1 and "lengths" not in data:
+        raise common.StageError(f"{args.rewards}: --length-strata needs the 'lengths' key, which score.py writes")
+    tensors = compute(data["rewards"], data["group_ids"], args, data.get("lengths"))
     common.save_tensors(args.out, tensors, common.ADVANTAGES[0], vars(args))
     zero = tensors.get("zero_std", torch.zeros(0, dtype=torch.bool))
     print(f"{args.estimator} advantages for {data['rewards'].numel()} completions in {zero.numel()} groups: "

@@ -47,6 +47,14 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def warn(message):
+    """A warning on stderr, printed once (by rank 0 under torchrun), above any progress bar."""
+    if rank_and_world()[0] == 0:
+        from tqdm import tqdm
+
+        tqdm.write(message, file=sys.stderr)
+
+
 def pick_device(name="auto"):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,6 +65,54 @@ def row_slices(n, size):
     """Consecutive slices of at most `size` rows covering range(n); size <= 0 means one slice."""
     size = n if size is None or size <= 0 else size
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# ----------------------------------------------------------------------------------------
+# torch.distributed: one process is the world-size-1 case of every function here
+
+def rank_and_world():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def shard_slice(n, rank, world):
+    """This rank's contiguous share of range(n); the first n % world ranks get one more."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def all_reduce(tensor, op):
+    """Sum or max of `tensor` over ranks (a no-op in one process); returns a tensor on its device."""
+    if rank_and_world()[1] == 1:
+        return tensor
+    dist = torch.distributed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = tensor.to(device).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.to(tensor.device)
+
+
+def total_norm(norm):
+    """clip_grad_norm_'s result as a float (FSDP2 returns a sharded DTensor)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+@contextmanager
+def grad_sync(model, enabled):
+    """Let a backward all-reduce gradients across ranks only when `enabled` (the last micro-batch)."""
+    if enabled or rank_and_world()[1] == 1:
+        yield
+    elif hasattr(model, "no_sync"):                               # DDP
+        with model.no_sync():
+            yield
+    else:                                                         # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -79,6 +135,8 @@ ROLLOUTS = ("rollouts/1", {
 REWARDS = ("rewards/1", {
     "rewards": ("float", [("N",)], True),
     "group_ids": ("int", [("N",)], True),
+    "lengths": ("int", [("N",)], False),
+    "skipped": ("bool", [("N",)], False),
 })
 ADVANTAGES = ("advantages/1", {
     "advantages": ("float", [("N",), ("N", "T")], True),
@@ -124,6 +182,15 @@ def write_json(path, obj):
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
             f.write("\n")
+
+
+def read_json(path):
+    """A JSON file this project wrote (config, state, metrics); a damaged one is a one-line error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise StageError(f"{path}: not a readable JSON file ({e})") from None
 
 
 def read_jsonl(path):
@@ -354,6 +421,16 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None):
         replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_checkpoint_out(path):
+    """A checkpoint folder is replaced as a whole: refuse one that holds anything but a checkpoint."""
+    if os.path.isfile(path):
+        raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:3])
+        raise StageError(f"--out {path}: holds files that are not a checkpoint ({shown}, ...); the checkpoint "
+                         f"replaces the whole folder, so choose a new or empty one")
 
 
 def replace_dir(src, dst):

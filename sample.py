@@ -246,11 +246,11 @@ def reference_logprobs(ref_model, tensors, temperature, micro_batch_size):
 
 
 def write_outputs(out_dir, tensors, samples, args):
-    """samples.jsonl and rollouts.safetensors, both renamed into place only once both are written."""
+    """samples.jsonl, then rollouts.safetensors, each renamed into place when complete; the rollouts,
+    which every later stage opens first, appear last."""
     os.makedirs(out_dir, exist_ok=True)
-    with common.atomic_path(os.path.join(out_dir, "samples.jsonl")) as samples_tmp:
-        common.write_jsonl(samples_tmp, samples)
-        common.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, common.ROLLOUTS[0], vars(args))
+    common.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
+    common.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, common.ROLLOUTS[0], vars(args))
 
 
 def main(argv=None):

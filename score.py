@@ -21,10 +21,14 @@ A --reward SPEC is one of
   and the reward model's tokenizer has a chat template, the chat with the completion as the
   assistant's reply.
 
-Every reward must be a finite number: None, NaN or ±inf is an error naming the rows.
+Every reward must be a finite number: None, NaN or ±inf is an error naming the rows, unless
+--on-reward-error skip gives those rows their group's mean of the valid rows (recorded in
+`skipped` [N] bool). The file also holds `lengths` [N] i64, |o| of each completion (the
+completion_mask's count, first EOS included), for advantage.py --length-strata and the diagnostics.
 
---overlong-buffer L adds DAPO's soft overlong punishment (reward/overlong, weight 1), from the
-completion lengths |o| (completion_mask, first EOS included) and L_max = max_new_tokens.
+Length terms from |o| and L_max = max_new_tokens, each added with weight 1 and kept as a component:
+--overlong-buffer L (DAPO's soft overlong punishment, reward/overlong) and --length-penalty α
+(reward/length = −α·|o|/L_max, against a reward that favours long answers).
 """
 
 import importlib
@@ -53,8 +57,16 @@ def parse_args(argv=None):
                    help="DAPO's overlong reward shaping (Yu et al. 2025), added as reward/overlong: with\n"
                         "L_max = max_new_tokens, 0 up to L_max − L tokens, linear down to −1 at L_max,\n"
                         "−1 beyond (default 0: off)")
+    p.add_argument("--length-penalty", type=float, default=0.0, metavar="α",
+                   help="α: add reward/length = −α·|o|/L_max, against a reward that prefers long answers\n"
+                        "(the source article's first remedy for length bias; default 0: off)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="L_max for --overlong-buffer (default: the sampling limit in the rollouts' metadata)")
+                   help="L_max for --overlong-buffer and --length-penalty (default: the rollouts' metadata)")
+    p.add_argument("--on-reward-error", default="fail", choices=["fail", "skip"],
+                   help="when a reward function raises, returns the wrong length, or gives None/NaN/inf:\n"
+                        "fail: stop with an error naming the reward and rows (default)\n"
+                        "skip: give those rows their group's mean of the valid rows (advantage 0 under\n"
+                        "grpo, so they teach nothing), record them in 'skipped', and warn")
     p.add_argument("--out", required=True, help="output rewards.safetensors")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model forward pass (default 0: all)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
@@ -64,7 +76,14 @@ def parse_args(argv=None):
     if len(args.reward_weights) != len(args.reward):
         raise common.StageError(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward)} "
                                 f"--reward functions")
+    if args.overlong_buffer and args.max_new_tokens:
+        check_overlong(args.overlong_buffer, args.max_new_tokens)
     return args
+
+
+def check_overlong(buffer, max_len):
+    if not 0 < buffer <= max_len:
+        raise common.StageError(f"--overlong-buffer must be in 1..L_max={max_len}, got {buffer}")
 
 
 def load_reward(spec, device, micro_batch_size):
@@ -137,26 +156,43 @@ def reward_model_function(path, device, micro_batch_size):
     return reward_model
 
 
-def call_reward(name, fn, prompts, completions, fields, n):
-    """Run one reward function and check that it returned n finite numbers."""
+def call_reward(name, fn, prompts, completions, fields, group_ids, on_error="fail"):
+    """Run one reward function; returns (rewards [N], bad [N] bool). A failure is an error, or with
+    on_error="skip" its rows get the mean of the valid rows of their group (0 if none is valid)."""
+    n = len(prompts)
+    problem, bad = None, torch.zeros(n, dtype=torch.bool)
     try:
         values = fn(prompts=prompts, completions=completions, **fields)
     except Exception as e:  # a user's reward may raise anything; say which reward and what it raised
-        raise common.StageError(f"reward {name!r} raised {type(e).__name__}: {e}") from None
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    if values is None or not hasattr(values, "__len__") or len(values) != n:
-        got = "None" if values is None else f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
-        raise common.StageError(f"reward {name!r} returned {got}, expected a list of {n} floats (one per completion)")
-    bad = [i for i, v in enumerate(values) if v is None or not isinstance(v, numbers.Real) or not math.isfinite(v)]
-    if bad:
-        raise common.StageError(f"reward {name!r} returned None, NaN, infinite or non-numbers in rows "
-                                f"{common.format_rows(bad)}")
-    return torch.tensor([float(v) for v in values], dtype=torch.float32)                    # [N]
+        problem, values = f"raised {type(e).__name__}: {e}", None
+    if problem is None:
+        if isinstance(values, torch.Tensor):
+            values = values.tolist()
+        if values is None or not hasattr(values, "__len__") or len(values) != n:
+            got = "None" if values is None else f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            problem = f"returned {got}, expected a list of {n} floats (one per completion)"
+        else:
+            bad = torch.tensor([v is None or not isinstance(v, numbers.Real)
+                                or not math.isfinite(v) for v in values], dtype=torch.bool)
+            if bad.any():
+                problem = f"returned None, NaN, infinite or non-numbers in rows {common.format_rows(torch.nonzero(bad).flatten())}"
+    if problem is None:
+        return torch.tensor([float(v) for v in values], dtype=torch.float32), bad               # [N]
+    if on_error == "fail":
+        raise common.StageError(f"reward {name!r} {problem} (--on-reward-error skip gives such rows their group's mean)")
+    if not bad.any():
+        bad = torch.ones(n, dtype=torch.bool)
+    common.warn(f"score: reward {name!r} {problem}; {int(bad.sum())} rows skipped (their group's mean of the others)")
+    r = torch.tensor([0.0 if b else float(v) for v, b in zip(values or [0.0] * n, bad.tolist())], dtype=torch.float64)
+    for g in group_ids.unique():
+        rows = group_ids == g                                                                  # [N]
+        valid = rows & ~bad
+        r[rows & bad] = r[valid].mean() if valid.any() else 0.0
+    return r.float(), bad
 
 
-def score(rollouts, samples, reward_fns, weights):
-    """Weighted sum of the rewards; returns (rewards [N], {name: component [N]})."""
+def score(rollouts, samples, reward_fns, weights, on_error="fail"):
+    """Weighted sum of the rewards; returns (rewards [N], {name: component [N]}, skipped [N] bool)."""
     N = rollouts["group_ids"].shape[0]
     prompts = [s["prompt"] for s in samples]
     completions = [s["completion"] for s in samples]
@@ -167,13 +203,15 @@ def score(rollouts, samples, reward_fns, weights):
                                     zip(rollouts["completion_ids"], rollouts["completion_mask"])]
     components = {}
     total = torch.zeros(N)                                                                   # [N]
+    skipped = torch.zeros(N, dtype=torch.bool)                                               # [N]
     for (name, fn), w in zip(reward_fns, weights):
         key = name
         while key in components:
             key += "_"
-        components[key] = call_reward(name, fn, prompts, completions, fields, N)
+        components[key], bad = call_reward(name, fn, prompts, completions, fields, rollouts["group_ids"], on_error)
         total += w * components[key]
-    return total, components
+        skipped |= bad
+    return total, components, skipped
 
 
 def overlong_penalty(lengths, max_len, buffer):
@@ -182,14 +220,24 @@ def overlong_penalty(lengths, max_len, buffer):
     return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
 
 
-def add_overlong(rewards, components, completion_mask, max_len, buffer):
-    """Add the overlong penalty to the total with weight 1 and keep it as the component 'overlong'."""
-    components["overlong"] = overlong_penalty(completion_mask.sum(-1), max_len, buffer)      # [N]
-    return rewards + components["overlong"]
+def length_shaping(rewards, components, lengths, args):
+    """The length terms, each added with weight 1 and kept as a component: DAPO's overlong punishment
+    (--overlong-buffer) and the linear length penalty (--length-penalty). lengths [N] -> rewards [N]"""
+    if args.overlong_buffer:
+        components["overlong"] = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer)  # [N]
+        rewards = rewards + components["overlong"]
+    if args.length_penalty:
+        components["length"] = -args.length_penalty * lengths.float() / args.max_new_tokens           # [N]
+        rewards = rewards + components["length"]
+    return rewards
 
 
-def write_rewards(path, rewards, group_ids, components, args):
+def write_rewards(path, rewards, group_ids, components, args, lengths=None, skipped=None):
     tensors = {"rewards": rewards, "group_ids": group_ids, **{f"reward/{k}": v for k, v in components.items()}}
+    if lengths is not None:
+        tensors["lengths"] = lengths
+    if skipped is not None and skipped.any():
+        tensors["skipped"] = skipped
     common.save_tensors(path, tensors, common.REWARDS[0], vars(args))
 
 
@@ -211,24 +259,23 @@ ROLLOUTS_FOR_SCORING = (common.ROLLOUTS[0], {k: (kind, shapes, k == "group_ids")
 def main(argv=None):
     args = parse_args(argv)
     rollouts, meta, _ = common.load_tensors(args.rollouts, ROLLOUTS_FOR_SCORING)
-    if args.overlong_buffer:
+    lengths = rollouts["completion_mask"].sum(-1) if "completion_mask" in rollouts else None      # [N]
+    if args.overlong_buffer or args.length_penalty:
         args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens")
-        if "completion_mask" not in rollouts or not args.max_new_tokens:
-            raise common.StageError(f"{args.rollouts}: --overlong-buffer needs 'completion_mask' and L_max "
-                                    f"(--max-new-tokens, or max_new_tokens in the file's metadata)")
-        if not 0 < args.overlong_buffer <= args.max_new_tokens:
-            raise common.StageError(f"--overlong-buffer must be in 1..L_max={args.max_new_tokens}, "
-                                    f"got {args.overlong_buffer}")
+        if lengths is None or not args.max_new_tokens:
+            raise common.StageError(f"{args.rollouts}: --overlong-buffer and --length-penalty need 'completion_mask' "
+                                    f"and L_max (--max-new-tokens, or max_new_tokens in the file's metadata)")
+        if args.overlong_buffer:
+            check_overlong(args.overlong_buffer, args.max_new_tokens)
     samples = common.read_jsonl(args.samples)
     check_samples(samples, rollouts["group_ids"], args.samples)
     device = common.pick_device(args.device)
     reward_fns = [load_reward(spec, device, args.micro_batch_size) for spec in args.reward]
 
-    rewards, components = score(rollouts, samples, reward_fns, args.reward_weights)
-    if args.overlong_buffer:
-        rewards = add_overlong(rewards, components, rollouts["completion_mask"], args.max_new_tokens,
-                               args.overlong_buffer)
-    write_rewards(args.out, rewards, rollouts["group_ids"], components, args)
+    rewards, components, skipped = score(rollouts, samples, reward_fns, args.reward_weights, args.on_reward_error)
+    if lengths is not None:
+        rewards = length_shaping(rewards, components, lengths, args)
+    write_rewards(args.out, rewards, rollouts["group_ids"], components, args, lengths, skipped)
     parts = ", ".join(f"{k} {v.mean().item():.3f}" for k, v in components.items())
     print(f"scored {len(samples)} completions: reward mean {rewards.mean().item():.4f} "
           f"std {rewards.std().item() if len(samples) > 1 else 0.0:.4f} ({parts}); wrote {args.out}")

@@ -2,6 +2,7 @@
 
     python train.py                          # SmolLM2-135M-Instruct on two-digit sums (about 15 min, 2 CPU cores)
     python train.py --config tiny            # a small Llama learning a toy task from scratch (about a minute)
+    python train.py --check                  # sample the first batch, report its reward spread, write nothing
     python train.py --run-dir runs/default --resume --iterations 30     # continue a run
 
 Models stay in memory between stages, but every stage's file is written by that stage's own
@@ -12,32 +13,36 @@ re-run one stage at a time from the files (README: "Replaying an iteration"). Th
     runs/NAME/iter_XXXX/               prompts.jsonl (the B records used), rollouts.safetensors,
                                        samples.jsonl, rewards.safetensors, advantages.safetensors,
                                        metrics.json (written last: the iteration is complete)
-    runs/NAME/policy/                  the latest policy, optimizer.safetensors, train_state.json
-    runs/NAME/checkpoints/iter_XXXX/   the policy that sampled iteration XXXX, every --save-every
-    runs/NAME/eval/iter_XXXX.jsonl     greedy held-out completions of the policy after XXXX iterations
-    runs/NAME/tb/                      TensorBoard events (charts/, losses/, eval/, perf/, sampled texts)
+    runs/NAME/policy/                  the policy, optimizer.safetensors and train_state.json, saved
+                                       every --save-every iterations and at the end
+    runs/NAME/checkpoints/iter_XXXX/   the policy that sampled iteration XXXX (hard links into a save)
+    runs/NAME/eval/iter_XXXX.jsonl     greedy held-out completions of the policy after XXXX iterations,
+                                       beside the reference model's
+    runs/NAME/tb/                      TensorBoard events (charts/, losses/, diag/, diversity/, eval/, perf/)
 
 Variants: every flag of the stages' variants is also a field here (--estimator, --loss-agg,
---clip-eps-high, --dual-clip, --ratio-level, --kl-estimator, --overlong-buffer), and
---dynamic-sampling adds DAPO's dynamic sampling, which lives here because it needs rewards to
-decide what to sample: with it the files hold the informative groups of up to --max-sample-rounds
-rounds (round r of iteration i uses the records and seed of slot i·R + r), and no replay.sh.
+--clip-eps-high, --dual-clip, --ratio-level, --kl-estimator, --overlong-buffer, --length-penalty,
+--length-strata), and --dynamic-sampling adds DAPO's dynamic sampling, which lives here because it
+needs rewards to decide what to sample: with it the files hold the informative groups of up to
+--max-sample-rounds rounds (round r of iteration i uses the records and seed of slot i·R + r),
+and no replay.sh.
 
-Randomness: every draw of iteration i comes from generators seeded from (seed, i): the order of
-the training records (a seeded shuffle per pass over them), the sampler, the minibatch shuffle.
-No RNG state crosses iterations, so --resume needs only the policy and its optimizer state and
-gives the same weights as a run that was never interrupted. The policy is saved after every
-iteration; train_state.json inside it says how many iterations it has seen, and is the truth
---resume starts from.
+Randomness and resume: every draw of iteration i comes from generators seeded from (seed, i): the
+order of the training records (a seeded shuffle per pass over them), the sampler, the minibatch
+shuffle. No RNG state crosses iterations, so the policy and AdamW's state are all a resume needs.
+Saving them costs seconds (1.6 GB for the default model), so it happens every --save-every
+iterations, not every iteration; --resume restarts after the last save and recomputes the
+iterations since, which gives the same files and weights as a run that was never stopped (bit
+for bit on a CPU).
 """
 
 import dataclasses
 import glob
-import json
 import os
 import random
 import shlex
 import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +52,7 @@ from tqdm import tqdm
 
 import advantage
 import common
+import diagnostics
 import sample
 import score
 import tasks
@@ -73,16 +79,20 @@ class Config:
     epochs: int = 1                  # μ
     minibatch_size: int = 0          # 0: one optimizer step per epoch
     micro_batch_size: int = 0        # 0: no gradient accumulation
+    max_bad_steps: int = 5           # skipped non-finite steps the whole run may have before it stops
     estimator: str = "grpo"
     eps: float = 1e-4
+    length_strata: int = 1           # advantage.py --length-strata
     rewards: list = field(default_factory=list)    # default: the task's
+    on_reward_error: str = "fail"    # score.py --on-reward-error
     overlong_buffer: int = 0         # DAPO's overlong reward shaping, L tokens; 0 = off
+    length_penalty: float = 0.0      # α of score.py --length-penalty; 0 = off
     dynamic_sampling: bool = False   # DAPO's dynamic sampling: refill the batch with informative groups
     max_sample_rounds: int = 3
     seed: int = 0
-    eval_every: int = 5              # greedy held-out evaluation at 0, every this many iterations, and at the end
+    eval_every: int = 5              # greedy held-out evaluation at 0, every this many iterations, and at the end; 0 = off
     eval_prompts: int = 48
-    save_every: int = 10             # keep checkpoints/iter_XXXX every this many iterations
+    save_every: int = 10             # save policy/ (the resume point) and keep checkpoints/iter_XXXX this often
     device: str = "auto"
 
 
@@ -94,17 +104,27 @@ CONFIGS = {
     "gpu": Config(iterations=200, num_prompts=32, group_size=16, max_new_tokens=128, lr=1e-5, eval_every=20,
                   eval_prompts=200, save_every=50),
 }
+# What --resume may change: nothing that alters the iterations already done.
+RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps"}
+SYMBOLS = {"iterations": "K: iterations", "num_prompts": "B: prompts per iteration", "group_size": "G: completions "
+           "per prompt", "max_new_tokens": "L_max: completion length limit", "temperature": "τ: sampling temperature",
+           "beta": "β: KL weight", "clip_eps": "ε (ε_low): clip range", "clip_eps_high": "ε_high: upper clip (DAPO)",
+           "dual_clip": "C: dual-clip cap for A < 0", "epochs": "μ: passes over each batch", "eps": "ε in std + ε",
+           "estimator": "advantage estimator: grpo, dr_grpo, rloo, batch", "loss_agg": "loss aggregation: seq, "
+           "token, dr_grpo", "ratio_level": "token, or sequence (GSPO)", "kl_estimator": "k1, k2, k3",
+           "length_penalty": "α: length penalty", "length_strata": "S: length strata per group",
+           "overlong_buffer": "L: DAPO overlong buffer", "lr": "learning rate"}
 
 
 def parse_args(argv=None):
     p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="default", choices=list(CONFIGS), help="named configuration (default: default)")
     p.add_argument("--run-dir", default=None, help="run folder (default: runs/CONFIG)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last complete iteration")
-    help_of = {"iterations": "K: iterations", "num_prompts": "B: prompts per iteration", "group_size": "G",
-               "max_new_tokens": "L_max", "temperature": "τ", "beta": "β", "clip_eps": "ε", "epochs": "μ"}
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last save")
+    p.add_argument("--check", action="store_true",
+                   help="sample and score the first batch, report the reward spread and diversity, write nothing")
     for f in dataclasses.fields(Config):
-        flag, text = "--" + f.name.replace("_", "-"), f"{help_of.get(f.name, f.name)} (default: from --config)"
+        flag, text = "--" + f.name.replace("_", "-"), f"{SYMBOLS.get(f.name, f.name)} (default: from --config)"
         if f.type is bool:
             p.add_argument(flag, action="store_true", default=None, help=text)
         else:
@@ -122,19 +142,63 @@ def resolve_config(args, overrides):
     if args.resume:
         if not os.path.isfile(saved):
             raise common.StageError(f"{run_dir}: no config.json to resume from")
-        cfg = Config(**json.load(open(saved))["config"])
-        changed = set(overrides) - {"iterations", "device", "eval_every", "save_every"}
+        cfg = Config(**common.read_json(saved)["config"])
+        changed = set(overrides) - RESUMABLE
         if changed:
             raise common.StageError(f"--resume keeps the run's configuration; cannot change --{', --'.join(sorted(changed))}")
     else:
-        if os.path.isdir(run_dir) and os.listdir(run_dir):
+        if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
             raise common.StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose --run-dir")
         cfg = dataclasses.replace(CONFIGS[args.config])
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.task not in tasks.TASKS:
         raise common.StageError(f"--task {cfg.task!r}: expected one of {', '.join(tasks.TASKS)}")
     cfg.rewards = cfg.rewards or tasks.TASKS[cfg.task][1]
+    # Every stage's parser checks its flags now, before anything is written.
+    for script, (parser, flags) in stage_flags(cfg, "it", 0, 0, "model", "ref").items():
+        stage_args(script, parser, flags, [])
     return cfg, run_dir
+
+
+def stage_flags(cfg, it_dir, slot, i, model_path, ref_path):
+    """Each stage's command-line flags for iteration i (records and sampler seed from `slot`)."""
+    files = {k: os.path.join(it_dir, f"{k}.safetensors") for k in ("rollouts", "rewards", "advantages")}
+    return {
+        "sample.py": (sample.parse_args, dict(
+            model=model_path, prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir, group_size=cfg.group_size,
+            num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            seed=cfg.seed * 1_000_003 + slot, ref_model=ref_path, device=cfg.device)),
+        "score.py": (score.parse_args, dict(
+            rollouts=files["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"), reward=cfg.rewards,
+            overlong_buffer=cfg.overlong_buffer or None, length_penalty=cfg.length_penalty or None,
+            max_new_tokens=cfg.max_new_tokens, on_reward_error=cfg.on_reward_error, out=files["rewards"],
+            device=cfg.device)),
+        "advantage.py": (advantage.parse_args, dict(
+            rewards=files["rewards"], out=files["advantages"], estimator=cfg.estimator, eps=cfg.eps,
+            length_strata=cfg.length_strata if cfg.length_strata != 1 else None)),
+        "update.py": (update.parse_args, dict(
+            model=model_path, rollouts=files["rollouts"], advantages=files["advantages"],
+            out=os.path.join(os.path.dirname(it_dir), "policy"), lr=cfg.lr, beta=cfg.beta, clip_eps=cfg.clip_eps,
+            clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
+            kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, epochs=cfg.epochs,
+            minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
+            max_bad_steps=cfg.max_bad_steps, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed * 1_000_003 + i, device=cfg.device)),
+    }
+
+
+def stage_args(script, parser, flags, commands):
+    """Build a stage's namespace through its own parser (same defaults and checks as the command
+    line) and append the equivalent command to `commands`."""
+    argv = []
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.extend(map(str, value) if isinstance(value, list) else [str(value)])
+    commands.append(["python", script, *argv])
+    return parser(argv)
 
 
 def base_model_dir(cfg, run_dir):
@@ -159,20 +223,6 @@ def iteration_records(train, i, B, seed):
     return records
 
 
-def stage_args(script, parser, commands, **flags):
-    """Build a stage's namespace through its own parser (same defaults and checks as the command
-    line) and append the equivalent command to `commands`."""
-    argv = []
-    for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        argv.append("--" + name.replace("_", "-"))
-        if value is not True:
-            argv.extend(map(str, value) if isinstance(value, list) else [str(value)])
-    commands.append(["python", script, *argv])
-    return parser(argv)
-
-
 @contextmanager
 def timed(perf, key):
     t = time.perf_counter()
@@ -180,28 +230,23 @@ def timed(perf, key):
     perf[key] = perf.get(key, 0.0) + time.perf_counter() - t
 
 
-def sample_and_score(slot, cfg, it_dir, policy, tokenizer, ref_model, train, reward_fns, model_path, ref_path,
-                     perf, commands):
+def sample_and_score(slot, i, cfg, it_dir, models, train, reward_fns, perf, commands):
     """Stages 1 and 2 in memory for the B records of `slot`: G completions each and their rewards."""
+    flags = stage_flags(cfg, it_dir, slot, i, models["path"], models["ref_path"])
+    sargs = stage_args("sample.py", *flags["sample.py"], commands)
+    rargs = stage_args("score.py", *flags["score.py"], commands)
     records = iteration_records(train, slot, cfg.num_prompts, cfg.seed)
-    prompts_path = os.path.join(it_dir, "prompts.jsonl")
-    sargs = stage_args("sample.py", sample.parse_args, commands, model=model_path, prompts=prompts_path, out=it_dir,
-                       group_size=cfg.group_size, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + slot, ref_model=ref_path,
-                       device=cfg.device)
     with timed(perf, "perf/sample_s"):
-        rollouts, samples = sample.rollout(policy, tokenizer, records, sargs, ref_model, prompts_path=prompts_path)
+        rollouts, samples = sample.rollout(models["policy"], models["tokenizer"], records, sargs, models["ref"],
+                                           prompts_path=sargs.prompts)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
-    rargs = stage_args("score.py", score.parse_args, commands, rollouts=os.path.join(it_dir, "rollouts.safetensors"),
-                       samples=os.path.join(it_dir, "samples.jsonl"), reward=cfg.rewards,
-                       overlong_buffer=cfg.overlong_buffer or None, max_new_tokens=cfg.max_new_tokens,
-                       out=os.path.join(it_dir, "rewards.safetensors"), device=cfg.device)
     with timed(perf, "perf/score_s"):
-        rewards, components = score.score(rollouts, samples, reward_fns, rargs.reward_weights)
-        if cfg.overlong_buffer:
-            rewards = score.add_overlong(rewards, components, rollouts["completion_mask"], cfg.max_new_tokens,
-                                         cfg.overlong_buffer)
-    return [records, rollouts, samples, rewards, components], sargs, rargs
+        rewards, components, skipped = score.score(rollouts, samples, reward_fns, rargs.reward_weights,
+                                                   rargs.on_reward_error)
+        rewards = score.length_shaping(rewards, components, rollouts["completion_mask"].sum(-1), rargs)
+    batch = {"records": records, "rollouts": rollouts, "samples": samples, "rewards": rewards,
+             "components": components, "skipped": skipped}
+    return batch, sargs, rargs
 
 
 def dapo_dynamic_sampling(i, cfg, perf, sample_round, pad_id):
@@ -211,7 +256,7 @@ def dapo_dynamic_sampling(i, cfg, perf, sample_round, pad_id):
     kept, last = [], None
     for r in range(cfg.max_sample_rounds):
         last, sargs, rargs = sample_round(i * cfg.max_sample_rounds + r)
-        informative = ~advantage.zero_spread(last[3].double().reshape(B, G))                  # [B]
+        informative = ~advantage.zero_spread(last["rewards"].double().reshape(B, G))          # [B]
         kept += [(last, b) for b in range(B) if informative[b]]
         perf["charts/sample_rounds"] = r + 1
         if len(kept) >= B:
@@ -221,16 +266,23 @@ def dapo_dynamic_sampling(i, cfg, perf, sample_round, pad_id):
         kept = [(last, b) for b in range(B)]
     kept = kept[:B]
     rows = [slice(b * G, (b + 1) * G) for _, b in kept]
-    rollouts = sample.concat_rollouts([{k: v[idx] for k, v in part[1].items()} for (part, _), idx in zip(kept, rows)],
-                                      pad_id)
-    records = [part[0][b] for part, b in kept]
-    samples = [dict(s, group=g) for g, ((part, _), idx) in enumerate(zip(kept, rows)) for s in part[2][idx]]
-    rewards = torch.cat([part[3][idx] for (part, _), idx in zip(kept, rows)])
-    components = {k: torch.cat([part[4][k][idx] for (part, _), idx in zip(kept, rows)]) for k in last[4]}
-    return [records, rollouts, samples, rewards, components], sargs, rargs
+
+    def merged(key):
+        return torch.cat([part[key][idx] for (part, _), idx in zip(kept, rows)])
+
+    batch = {
+        "rollouts": sample.concat_rollouts([{k: v[idx] for k, v in part["rollouts"].items()}
+                                            for (part, _), idx in zip(kept, rows)], pad_id),
+        "records": [part["records"][b] for part, b in kept],
+        "samples": [dict(s, group=g) for g, ((part, _), idx) in enumerate(zip(kept, rows)) for s in part["samples"][idx]],
+        "rewards": merged("rewards"), "skipped": merged("skipped"),
+        "components": {k: torch.cat([part["components"][k][idx] for (part, _), idx in zip(kept, rows)])
+                       for k in last["components"]},
+    }
+    return batch, sargs, rargs
 
 
-def run_iteration(i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, train, reward_fns, model_path, ref_path):
+def run_iteration(i, cfg, run_dir, models, optimizer, train, reward_fns):
     """Stages 1→4 on the in-memory models, each stage's file written as its script would write it."""
     it_dir = os.path.join(run_dir, f"iter_{i:04d}")
     shutil.rmtree(it_dir, ignore_errors=True)                 # a partial iteration is redone from scratch
@@ -239,49 +291,51 @@ def run_iteration(i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, trai
 
     def sample_round(slot):
         commands.clear()
-        return sample_and_score(slot, cfg, it_dir, policy, tokenizer, ref_model, train, reward_fns, model_path,
-                                ref_path, perf, commands)
+        return sample_and_score(slot, i, cfg, it_dir, models, train, reward_fns, perf, commands)
 
     if cfg.dynamic_sampling:
-        batch, sargs, rargs = dapo_dynamic_sampling(i, cfg, perf, sample_round, tokenizer.pad_token_id)
+        batch, sargs, rargs = dapo_dynamic_sampling(i, cfg, perf, sample_round, models["tokenizer"].pad_token_id)
         sargs.dapo_dynamic_sampling = True                    # the file holds the informative groups of several rounds
     else:
         batch, sargs, rargs = sample_round(i)
-    records, rollouts, samples, rewards, components = batch
+    rollouts, rewards = batch["rollouts"], batch["rewards"]
+    lengths = rollouts["completion_mask"].sum(-1)                                           # [N]
     with timed(perf, "perf/io_s"):
-        common.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), records)
-        sample.write_outputs(it_dir, rollouts, samples, sargs)
-        score.write_rewards(rargs.out, rewards, rollouts["group_ids"], components, rargs)
+        common.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
+        sample.write_outputs(it_dir, rollouts, batch["samples"], sargs)
+        score.write_rewards(rargs.out, rewards, rollouts["group_ids"], batch["components"], rargs, lengths,
+                            batch["skipped"])
 
-    aargs = stage_args("advantage.py", advantage.parse_args, commands, rewards=rargs.out,
-                       out=os.path.join(it_dir, "advantages.safetensors"), estimator=cfg.estimator, eps=cfg.eps)
-    adv = advantage.compute(rewards, rollouts["group_ids"], aargs)
+    flags = stage_flags(cfg, it_dir, i, i, models["path"], models["ref_path"])
+    aargs = stage_args("advantage.py", *flags["advantage.py"], commands)
+    adv = advantage.compute(rewards, rollouts["group_ids"], aargs, lengths)
     with timed(perf, "perf/io_s"):
         common.save_tensors(aargs.out, adv, common.ADVANTAGES[0], vars(aargs))
 
-    uargs = stage_args("update.py", update.parse_args, commands, model=model_path, rollouts=rargs.rollouts,
-                       advantages=aargs.out, out=os.path.join(run_dir, "policy"), lr=cfg.lr, beta=cfg.beta,
-                       clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-                       ratio_level=cfg.ratio_level, kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg,
-                       epochs=cfg.epochs, minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
-                       temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                       seed=cfg.seed * 1_000_003 + i, device=cfg.device)
+    uargs = stage_args("update.py", *flags["update.py"], commands)
     with timed(perf, "perf/update_s"):
-        losses = update.update(policy, optimizer, rollouts, adv["advantages"], uargs, cfg.temperature,
+        losses = update.update(models["policy"], optimizer, rollouts, adv["advantages"], uargs, cfg.temperature,
                                cfg.max_new_tokens)
 
-    lengths = rollouts["completion_mask"].sum(-1).float()
+    spread = diagnostics.reward_spread(rewards, cfg.group_size)
+    diag_keys = ("logprob_diff_max", "logprob_diff_mean", "skipped_steps")
     metrics = {
         "iteration": i,
         "charts/reward_mean": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
-        **{f"charts/reward/{k}": v.mean().item() for k, v in components.items()},
-        "charts/frac_zero_std": advantage.zero_spread(rewards.double().reshape(-1, cfg.group_size)).float().mean().item(),
-        "charts/completion_len": lengths.mean().item(),
+        **{f"charts/reward/{k}": v.mean().item() for k, v in batch["components"].items()},
+        "charts/frac_zero_std": spread["frac_zero_std"],
+        "charts/completion_len": lengths.float().mean().item(),
         "charts/truncated_frac": rollouts["truncated"].float().mean().item(),
-        **{f"losses/{k}": v for k, v in losses.items()},
+        "charts/skipped_rewards": int(batch["skipped"].sum()),
+        **{f"losses/{k}": v for k, v in losses.items() if k not in diag_keys},
+        **{f"diag/{k}": losses[k] for k in diag_keys},
+        "diag/reward_std_mean": spread["std_mean"], "diag/reward_std_median": spread["std_median"],
+        **{f"diag/{k}": v for k, v in diagnostics.length_stats(lengths, rewards, cfg.group_size).items()},
+        **{f"diversity/{k}": v for k, v in diagnostics.diversity(
+            rollouts["completion_ids"], rollouts["completion_mask"], [s["completion"] for s in batch["samples"]]).items()},
         **perf, "perf/tokens_per_s": lengths.sum().item() / perf["perf/sample_s"],
     }
-    return it_dir, metrics, samples, rewards, uargs, commands
+    return it_dir, metrics, batch, losses, uargs, commands, spread
 
 
 def write_replay(it_dir, i, commands):
@@ -297,49 +351,85 @@ def write_replay(it_dir, i, commands):
             f.write("\n".join(lines) + "\n")
 
 
-def save_policy(policy, tokenizer, optimizer, metrics, uargs, run_dir, iterations_done):
-    update.save_update(policy, tokenizer, optimizer, metrics, uargs, os.path.join(run_dir, "policy"), extra_files={
-        "train_state.json": lambda p: common.write_json(p, {"iteration": iterations_done, "metrics": metrics})})
-
-
 @torch.inference_mode()
-def evaluate(policy, tokenizer, held_out, reward_fns, cfg, run_dir, step):
-    """Greedy completions of the held-out prompts; writes eval/iter_XXXX.jsonl, returns eval/ metrics."""
-    device = next(policy.parameters()).device
+def greedy_completions(model, tokenizer, held_out, reward_fns, max_new_tokens):
+    """Greedy completions and rewards of the held-out prompts: (texts, completions, rewards, lengths)."""
+    device = next(model.parameters()).device
     texts, token_lists = sample.render_prompts(held_out, tokenizer, "held-out prompts", None)
     prompt_ids, prompt_mask = sample.left_pad(token_lists, tokenizer.pad_token_id)
     ids, mask, _, _ = sample.sample_completions(
-        policy, prompt_ids.to(device), prompt_mask.to(device), cfg.max_new_tokens, 0.0,
-        common.eos_token_ids(tokenizer, policy), tokenizer.pad_token_id, generator=None)
+        model, prompt_ids.to(device), prompt_mask.to(device), max_new_tokens, 0.0,
+        common.eos_token_ids(tokenizer, model), tokenizer.pad_token_id, generator=None)
     ids, mask = ids.cpu(), mask.cpu()
-    rows = [{**record, "group": b, "prompt": texts[b],
-             "completion": tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True)} for b, record in enumerate(held_out)]
+    completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(held_out))]
+    rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b]} for b, record in enumerate(held_out)]
     batch = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
-    rewards, _ = score.score(batch, rows, reward_fns, [1.0] * len(reward_fns))
-    for row, r in zip(rows, rewards.tolist()):
-        row["reward"] = r
+    rewards, _, _ = score.score(batch, rows, reward_fns, [1.0] * len(reward_fns))
+    return texts, completions, rewards, mask.sum(-1).float()
+
+
+def evaluate(models, held_out, reward_fns, cfg, run_dir, step, reference):
+    """The policy and the reference side by side on the held-out prompts (greedy); writes
+    eval/iter_XXXX.jsonl and returns eval/ metrics. The reference's answers never change, so they
+    are computed once per process and kept in `reference`."""
+    texts, completions, rewards, lengths = greedy_completions(models["policy"], models["tokenizer"], held_out,
+                                                              reward_fns, cfg.max_new_tokens)
+    if not reference:
+        if models["ref"] is None and step == 0:               # β = 0 keeps no reference, but at 0 the policy is it
+            reference.update(completions=completions, rewards=rewards, lengths=lengths)
+        else:
+            ref = models["ref"] or common.load_model(models["base"], next(models["policy"].parameters()).device)
+            _, c, r, n = greedy_completions(ref, models["tokenizer"], held_out, reward_fns, cfg.max_new_tokens)
+            reference.update(completions=c, rewards=r, lengths=n)
+    rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b], "reward": rewards[b].item(),
+             "ref_completion": reference["completions"][b], "ref_reward": reference["rewards"][b].item()}
+            for b, record in enumerate(held_out)]
     os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
     common.write_jsonl(os.path.join(run_dir, "eval", f"iter_{step:04d}.jsonl"), rows)
-    return {"eval/reward_mean": rewards.mean().item(), "eval/completion_len": mask.sum(-1).float().mean().item(),
+    return {"eval/reward_mean": rewards.mean().item(), "eval/ref_reward_mean": reference["rewards"].mean().item(),
+            "eval/completion_len": lengths.mean().item(), "eval/ref_completion_len": reference["lengths"].mean().item(),
+            "eval/same_as_ref": sum(c == r for c, r in zip(completions, reference["completions"])) / len(rows),
             "eval/num_prompts": len(rows)}
 
 
+def save_policy(models, optimizer, losses, uargs, run_dir, iterations_done, bad_steps):
+    """policy/: what update.py would write, and train_state.json, the resume point."""
+    update.save_update(models["policy"], models["tokenizer"], optimizer, losses, uargs, os.path.join(run_dir, "policy"),
+                       extra_files={"train_state.json": lambda p: common.write_json(
+                           p, {"iteration": iterations_done, "bad_steps": bad_steps})})
+
+
 def restore(run_dir):
-    """Iterations already done in run_dir (0 for a new run), repairing what a kill may have left."""
+    """(iterations in the last save, bad steps so far) of run_dir, repairing what a kill may have left
+    and removing the iterations after the save, which the resumed run recomputes."""
     policy_dir = os.path.join(run_dir, "policy")
     if not os.path.isdir(policy_dir) and os.path.isdir(policy_dir + ".old"):
         os.rename(policy_dir + ".old", policy_dir)            # killed inside common.replace_dir
     for stale in glob.glob(os.path.join(run_dir, "*.tmp*")) + glob.glob(os.path.join(run_dir, "checkpoints", "*.tmp*")):
         shutil.rmtree(stale, ignore_errors=True)              # half-written copies of a killed run
     state_file = os.path.join(policy_dir, "train_state.json")
-    if not os.path.isfile(state_file):
-        return 0
-    state = json.load(open(state_file))
-    done = state["iteration"]
-    last = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
-    if not os.path.isfile(last):                              # killed between saving the policy and metrics.json
-        common.write_json(last, state["metrics"])
-    return done
+    state = common.read_json(state_file) if os.path.isfile(state_file) else {"iteration": 0, "bad_steps": 0}
+    for it_dir in glob.glob(os.path.join(run_dir, "iter_[0-9][0-9][0-9][0-9]")):
+        if int(it_dir[-4:]) >= state["iteration"]:
+            shutil.rmtree(it_dir)
+    return state["iteration"], state["bad_steps"]
+
+
+def keep_checkpoint(run_dir, i):
+    """checkpoints/iter_XXXX: policy/ (the policy about to sample iteration i) as hard links, which
+    cost no space or time and survive policy/ being replaced; a copy where links are not possible."""
+    keep = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
+    shutil.rmtree(keep + ".tmp", ignore_errors=True)
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(os.path.join(run_dir, "policy"), keep + ".tmp", copy_function=link)
+    common.replace_dir(keep + ".tmp", keep)
+    return keep
 
 
 def log(writer, metrics, step):
@@ -348,64 +438,106 @@ def log(writer, metrics, step):
             writer.add_scalar(k, v, step)
 
 
-def keep_checkpoint(run_dir, i):
-    """Copy policy/ (the policy about to sample iteration i) to checkpoints/iter_XXXX; return its path."""
-    keep = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
-    shutil.rmtree(keep + ".tmp", ignore_errors=True)
-    shutil.copytree(os.path.join(run_dir, "policy"), keep + ".tmp")
-    common.replace_dir(keep + ".tmp", keep)
-    return keep
+def load_models(cfg, run_dir, done):
+    """Policy (from the last save when resuming), tokenizer and, when β ≠ 0, the frozen reference."""
+    base = base_model_dir(cfg, run_dir)
+    policy_dir = os.path.join(run_dir, "policy")
+    device = common.pick_device(cfg.device)
+    return {"base": base, "ref_path": base if cfg.beta != 0 else None, "path": base,
+            "tokenizer": common.load_tokenizer(policy_dir if done else base),
+            "policy": common.load_model(policy_dir if done else base, device),
+            "ref": common.load_model(base, device) if cfg.beta != 0 else None}
+
+
+def check(cfg):
+    """--check: sample and score the first batch, print its reward spread and diversity, write nothing."""
+    with tempfile.TemporaryDirectory() as scratch:
+        models = load_models(cfg, scratch, 0)
+        train, _, _ = tasks.make_task(cfg.task, cfg.seed)
+        reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0) for spec in cfg.rewards]
+        batch, _, _ = sample_and_score(0, 0, cfg, os.path.join(scratch, "iter_0000"), models, train, reward_fns, {}, [])
+    rollouts, rewards = batch["rollouts"], batch["rewards"]
+    for line in diagnostics.spread_report(diagnostics.reward_spread(rewards, cfg.group_size), cfg.group_size):
+        print(line)
+    lengths = diagnostics.length_stats(rollouts["completion_mask"].sum(-1), rewards, cfg.group_size)
+    div = diagnostics.diversity(rollouts["completion_ids"], rollouts["completion_mask"],
+                                [s["completion"] for s in batch["samples"]])
+    print(f"reward mean {rewards.mean().item():.3f}; length mean {lengths['len_mean']:.1f} std {lengths['len_std']:.1f}, "
+          f"within-group length-reward correlation {lengths['length_reward_corr']:+.2f}; " +
+          ", ".join(f"{k} {v:.2f}" for k, v in div.items()))
 
 
 def main(argv=None):
     args, overrides = parse_args(argv)
     cfg, run_dir = resolve_config(args, overrides)
+    if args.check:
+        return check(cfg)
+    done, bad_steps = restore(run_dir) if args.resume else (0, 0)
+    if done > cfg.iterations:
+        raise common.StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
     os.makedirs(run_dir, exist_ok=True)
     common.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})   # first: the run is resumable
-    done = restore(run_dir) if args.resume else 0
-    model_dir = base_model_dir(cfg, run_dir)
-    ref_path = model_dir if cfg.beta != 0 else None
-    policy_dir = os.path.join(run_dir, "policy")
+    if cfg.beta == 0:
+        common.warn(diagnostics.BETA_ZERO_WARNING)
 
     from torch.utils.tensorboard import SummaryWriter
 
-    device = common.pick_device(cfg.device)
-    tokenizer = common.load_tokenizer(policy_dir if done else model_dir)
-    policy = common.load_model(policy_dir if done else model_dir, device)
-    ref_model = common.load_model(model_dir, device) if cfg.beta != 0 else None
-    optimizer = update.make_optimizer(policy, cfg.lr)
+    models = load_models(cfg, run_dir, done)
+    policy_dir = os.path.join(run_dir, "policy")
+    optimizer = update.make_optimizer(models["policy"], cfg.lr)
     if done:
-        update.load_optimizer_state(policy, optimizer, os.path.join(policy_dir, "optimizer.safetensors"))
+        update.load_optimizer_state(models["policy"], optimizer, os.path.join(policy_dir, "optimizer.safetensors"))
     train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
     held_out = held_out[:cfg.eval_prompts]
-    reward_fns = [score.load_reward(spec, device, 0) for spec in cfg.rewards]
+    reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0) for spec in cfg.rewards]
     writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done)
+    previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
+    previous = common.read_json(previous) if done and os.path.isfile(previous) else None
+    reference, saved_at = {}, done
 
     bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done, total=cfg.iterations,
                disable=None)
     for i in bar:
         t0 = time.perf_counter()
         evaluation = {}
-        if i == 0 or (cfg.eval_every and i % cfg.eval_every == 0):
-            evaluation = evaluate(policy, tokenizer, held_out, reward_fns, cfg, run_dir, i)
+        if cfg.eval_every and i % cfg.eval_every == 0:
+            evaluation = evaluate(models, held_out, reward_fns, cfg, run_dir, i, reference)
         # The path the stage files record as --model: where the policy that samples iteration i lives.
-        model_path = model_dir if i == 0 else policy_dir
-        if i > 0 and cfg.save_every and i % cfg.save_every == 0:
-            model_path = keep_checkpoint(run_dir, i)
-        it_dir, metrics, samples, rewards, uargs, commands = run_iteration(
-            i, cfg, run_dir, policy, tokenizer, ref_model, optimizer, train, reward_fns, model_path, ref_path)
-        if model_path != policy_dir and not cfg.dynamic_sampling:   # the sampling policy is kept: replayable
+        models["path"] = models["base"] if i == 0 else policy_dir
+        if i > 0 and saved_at == i and cfg.save_every and i % cfg.save_every == 0:
+            models["path"] = keep_checkpoint(run_dir, i)
+        it_dir, metrics, batch, losses, uargs, commands, spread = run_iteration(
+            i, cfg, run_dir, models, optimizer, train, reward_fns)
+        if models["path"] != policy_dir and not cfg.dynamic_sampling:   # the sampling policy is kept: replayable
             write_replay(it_dir, i, commands)
-        metrics.update(evaluation)
+        if i == 0:
+            for line in diagnostics.spread_report(spread, cfg.group_size):
+                tqdm.write(line)
+        flags = diagnostics.collapse_flags(
+            {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("diversity/")},
+            previous and {k.split("/")[1]: v for k, v in previous.items() if k.startswith("diversity/")})
+        metrics.update({f"diversity/{k}": v for k, v in flags.items()}, **evaluation)
+        if flags["collapse"]:
+            common.warn(f"WARNING: iteration {i}: diversity jumped ({', '.join(k for k, v in flags.items() if v and k != 'collapse')}): "
+                        f"the policy may be collapsing onto one pattern; read iter_{i:04d}/samples.jsonl")
+        bad_steps += losses["skipped_steps"]
+        metrics["diag/bad_steps_total"] = bad_steps
+        if bad_steps > cfg.max_bad_steps:
+            raise common.StageError(f"{bad_steps} optimizer steps in this run had a non-finite loss or gradient, more "
+                                    f"than --max-bad-steps {cfg.max_bad_steps}; stopped, {policy_dir} holds the last "
+                                    f"good save ({saved_at} iterations)")
         t = time.perf_counter()
-        save_policy(policy, tokenizer, optimizer, metrics, uargs, run_dir, i + 1)
+        if (cfg.save_every and (i + 1) % cfg.save_every == 0) or i + 1 == cfg.iterations:
+            save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps)
+            saved_at = i + 1
         metrics["perf/checkpoint_s"] = time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0
         common.write_json(os.path.join(it_dir, "metrics.json"), metrics)
+        previous = metrics
 
         log(writer, metrics, i)
         shown = [f"**reward {r:.3f}** · {s['prompt'][-60:]!r} → {s['completion']!r}"
-                 for s, r in list(zip(samples, rewards.tolist()))[::cfg.group_size][:4]]
+                 for s, r in list(zip(batch["samples"], batch["rewards"].tolist()))[::cfg.group_size][:4]]
         writer.add_text("samples", "\n\n".join(shown), i)
         kl = metrics["losses/kl"] or 0.0
         bar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", kl=f"{kl:.4f}")
@@ -414,12 +546,12 @@ def main(argv=None):
                    f"{metrics['perf/iteration_s']:.1f}s" +
                    (f"  held-out {evaluation['eval/reward_mean']:.3f}" if evaluation else ""))
 
-    final = evaluate(policy, tokenizer, held_out, reward_fns, cfg, run_dir, cfg.iterations)
-    log(writer, final, cfg.iterations)
+    if cfg.eval_every:
+        final = evaluate(models, held_out, reward_fns, cfg, run_dir, cfg.iterations, reference)
+        log(writer, final, cfg.iterations)
+        print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean']:.3f}, "
+              f"reference {final['eval/ref_reward_mean']:.3f} ({final['eval/num_prompts']} prompts, greedy)")
     writer.close()
-    before = [json.loads(line)["reward"] for line in open(os.path.join(run_dir, "eval", "iter_0000.jsonl"))]
-    print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean']:.3f}, "
-          f"before training {sum(before) / len(before):.3f} ({len(before)} prompts, greedy)")
 
 
 if __name__ == "__main__":

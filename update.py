@@ -32,11 +32,16 @@ Choices where the paper and DESIGN.md are silent:
   minibatch's normaliser (sequences or tokens), so the gradient does not depend on the split.
 - Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step.
 - Gradients are clipped to a total norm of --max-grad-norm; AdamW with weight decay 0 by default.
+- A row whose completion_mask is all false (no completion token) is an error: it has no ℓ_t to
+  average, and sample.py never writes one, so such a file was built wrongly.
+- --out DIR is replaced as a unit (written beside it, then renamed), so it must be new, empty, or
+  an earlier checkpoint folder; a folder holding other files (say, the rollouts) is refused.
 - metrics.json holds each metric measured before each optimizer step, averaged over the steps;
   `kl` is null when the rollouts have no ref_logprobs (only allowed with β = 0).
 """
 
 import json
+import math
 import os
 import time
 
@@ -45,6 +50,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import common
+import diagnostics
 
 
 def parse_args(argv=None):
@@ -81,7 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=None,
                    help="τ for log π_θ (default: the sampling temperature in the rollouts' metadata, else 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="L_max for --loss-agg dr_grpo (default: from the rollouts' metadata)")
+                   help="L_max for --loss-agg dr_grpo (default: from the rollouts' metadata; an error if neither)")
+    p.add_argument("--max-bad-steps", type=int, default=5,
+                   help="steps with a non-finite loss or gradient are skipped; stop with an error after this many (default 5)")
     p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
@@ -140,63 +148,111 @@ def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
 
 
 def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_tokens):
-    """μ epochs of clipped-objective steps on the rollouts; returns metrics averaged over steps."""
+    """μ epochs of clipped-objective steps on the rollouts; returns metrics averaged over steps.
+
+    Under torchrun each rank takes its share of every minibatch's rows; the normalisers (sequences,
+    tokens) are the whole minibatch's, and each rank's loss is scaled by the world size because DDP
+    and FSDP average gradients, so the step equals the one-process step.
+    """
     device = next(policy.parameters()).device
+    rank, world = common.rank_and_world()
     N = rollouts["group_ids"].shape[0]
     ref = rollouts.get("ref_logprobs")
     generator = torch.Generator().manual_seed(args.seed)
-    steps = []
+    steps, skipped, mismatch = [], 0, torch.zeros((), dtype=torch.float64)
     bar = tqdm(total=args.epochs * len(common.row_slices(N, args.minibatch_size)), desc="update", leave=False,
-               disable=None)
+               disable=None if rank == 0 else True)
     for _ in range(args.epochs):
         order = torch.randperm(N, generator=generator)                                # [N]
         for mb in common.row_slices(N, args.minibatch_size):
             rows = order[mb]                                                           # [M]
             mask = rollouts["completion_mask"][rows]                                   # [M, T]
             num_seqs, num_tokens = len(rows), int(mask.sum())
-            sums = dict.fromkeys(["loss", "policy_loss", "kl", "kl_penalty", "clip_low", "clip_high", "dual", "ratio",
-                                  "entropy"], 0.0)
-            ratio_max = 0.0
+            local = rows[common.shard_slice(len(rows), rank, world)]                   # [M / world]
+            weight = float(world)
+            if len(local) == 0:      # more ranks than rows: one row at weight 0 keeps the collectives in step
+                local, weight = rows[:1], 0.0
+            sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+            ratio_max = torch.zeros((), dtype=torch.float64)
             optimizer.zero_grad(set_to_none=True)
-            for micro in common.row_slices(len(rows), args.micro_batch_size):
-                idx = rows[micro]
-                batch = {k: v[idx].to(device) for k, v in rollouts.items()}
+            micros = common.row_slices(len(local), args.micro_batch_size)
+            for k, micro in enumerate(micros):
+                idx = local[micro]
+                batch = {key: v[idx].to(device) for key, v in rollouts.items()}
                 m = batch["completion_mask"]                                           # [n, T]
-                logp, entropy = common.completion_logprobs(
-                    policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], m,
-                    temperature, with_entropy=True)                                    # [n, T]
-                token_loss, terms = grpo_token_loss(
-                    logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages[idx].to(device), m,
-                    args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level, args.kl_estimator)
-                loss = aggregate(token_loss, m, args.loss_agg, num_seqs, num_tokens, max_new_tokens)
-                loss.backward()
+                with common.grad_sync(policy, k == len(micros) - 1):
+                    logp, entropy = common.completion_logprobs(
+                        policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], m,
+                        temperature, with_entropy=True)                                # [n, T]
+                    token_loss, terms = grpo_token_loss(
+                        logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages[idx].to(device), m,
+                        args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level,
+                        args.kl_estimator)
+                    loss = aggregate(token_loss, m, args.loss_agg, num_seqs, num_tokens, max_new_tokens)
+                    (loss * weight).backward()
+                if weight == 0:
+                    continue
                 with torch.no_grad():
-                    sums["loss"] += loss.item()
-                    sums["policy_loss"] += aggregate(terms["pg_loss"], m, args.loss_agg, num_seqs, num_tokens,
-                                                     max_new_tokens).item()
-                    for key, term in (("kl", terms["kl"]), ("kl_penalty", terms["kl_penalty"]),
-                                      ("clip_low", terms["clipped_low"]), ("clip_high", terms["clipped_high"]),
-                                      ("dual", terms["dual_clipped"]), ("ratio", terms["ratio"]), ("entropy", entropy)):
-                        sums[key] += torch.where(m, term.float(), 0.0).sum().item()
-                    ratio_max = max(ratio_max, terms["ratio"][m].max().item())
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
+                    if not steps and not skipped:   # first minibatch, before any step: must be on-policy
+                        diff = (logp - batch["old_logprobs"]).abs()[m].double()        # [tokens]
+                        mismatch = torch.maximum(mismatch, diff.max().cpu())
+                        sums[SUM_KEYS.index("logprob_diff")] += diff.sum().item()
+                    sums[0] += loss.item()
+                    sums[1] += aggregate(terms["pg_loss"], m, args.loss_agg, num_seqs, num_tokens,
+                                         max_new_tokens).item()
+                    for j, key in enumerate(SUM_KEYS[2:-1], 2):
+                        term = entropy if key == "entropy" else terms[key]
+                        sums[j] += torch.where(m, term.float(), 0.0).sum().item()
+                    ratio_max = torch.maximum(ratio_max, terms["ratio"][m].max().double().cpu())
+            sums, ratio_max = common.all_reduce(sums, "sum"), common.all_reduce(ratio_max, "max").item()
+            grad_norm = common.total_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            if not steps and not skipped:
+                mismatch_max = common.all_reduce(mismatch.cpu(), "max").item()
+                mismatch = (mismatch_max, sums[SUM_KEYS.index("logprob_diff")].item() / num_tokens)
+            if not (math.isfinite(grad_norm) and math.isfinite(sums[0].item())):
+                # A non-finite loss or gradient would write NaN into every weight: skip the step instead.
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                common.warn(f"update: non-finite {'loss' if not math.isfinite(sums[0].item()) else 'gradient'} "
+                            f"(grad_norm {grad_norm}); optimizer step skipped ({skipped} so far)")
+                if skipped > args.max_bad_steps:
+                    raise common.StageError(f"{skipped} optimizer steps had a non-finite loss or gradient, more than "
+                                            f"--max-bad-steps {args.max_bad_steps}; stopping. Lower --lr, check the "
+                                            f"rewards and advantages, or look for NaN weights in --model")
+                bar.update(1)
+                continue
             optimizer.step()
+            s = dict(zip(SUM_KEYS, sums.tolist()))
             steps.append({
-                "loss": sums["loss"], "policy_loss": sums["policy_loss"],
-                "kl": sums["kl"] / num_tokens if ref is not None else None,
-                "kl_penalty": sums["kl_penalty"] / num_tokens if ref is not None else None,
-                "clip_frac": (sums["clip_low"] + sums["clip_high"]) / num_tokens,
-                "clip_frac_low": sums["clip_low"] / num_tokens, "clip_frac_high": sums["clip_high"] / num_tokens,
-                "clip_frac_dual": sums["dual"] / num_tokens,
-                "ratio_mean": sums["ratio"] / num_tokens, "ratio_max": ratio_max,
-                "entropy": sums["entropy"] / num_tokens, "grad_norm": grad_norm, "tokens": num_tokens,
+                "loss": s["loss"], "policy_loss": s["policy_loss"],
+                "kl": s["kl"] / num_tokens if ref is not None else None,
+                "kl_penalty": s["kl_penalty"] / num_tokens if ref is not None else None,
+                "clip_frac": (s["clipped_low"] + s["clipped_high"]) / num_tokens,
+                "clip_frac_low": s["clipped_low"] / num_tokens, "clip_frac_high": s["clipped_high"] / num_tokens,
+                "clip_frac_dual": s["dual_clipped"] / num_tokens,
+                "ratio_mean": s["ratio"] / num_tokens, "ratio_max": ratio_max,
+                "entropy": s["entropy"] / num_tokens, "grad_norm": grad_norm, "tokens": num_tokens,
             })
             bar.update(1)
-            bar.set_postfix(loss=f"{sums['loss']:.4f}")
+            bar.set_postfix(loss=f"{s['loss']:.4f}")
     bar.close()
-    metrics = {k: (None if steps[0][k] is None else sum(s[k] for s in steps) / len(steps)) for k in steps[0]}
-    metrics["optimizer_steps"] = len(steps)
+    if steps:
+        metrics = {k: (None if steps[0][k] is None else sum(s[k] for s in steps) / len(steps)) for k in steps[0]}
+    else:
+        metrics = dict.fromkeys(["loss", "policy_loss", "kl", "kl_penalty", "clip_frac", "clip_frac_low",
+                                 "clip_frac_high", "clip_frac_dual", "ratio_mean", "ratio_max", "entropy",
+                                 "grad_norm", "tokens"])
+    metrics.update(optimizer_steps=len(steps), skipped_steps=skipped,
+                   logprob_diff_max=mismatch[0], logprob_diff_mean=mismatch[1])
+    warning = diagnostics.mismatch_warning(*mismatch)
+    if warning:
+        common.warn(warning)
     return metrics
+
+
+# Per-minibatch sums gathered across micro-batches (and ranks) before each optimizer step.
+SUM_KEYS = ["loss", "policy_loss", "kl", "kl_penalty", "clipped_low", "clipped_high", "dual_clipped", "ratio",
+            "entropy", "logprob_diff"]
 
 
 def make_optimizer(policy, lr, weight_decay=0.0):
@@ -263,12 +319,18 @@ def load_inputs(args):
     rollouts.pop("values", None)
     # Record the τ and L_max actually used, so the output's metadata says what was computed.
     args.temperature = args.temperature or meta.get("temperature", 1.0)
-    args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens") or dims["T"]
+    args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens")
+    if args.loss_agg == "dr_grpo" and not args.max_new_tokens:
+        raise common.StageError(f"{args.rollouts}: --loss-agg dr_grpo divides by N × L_max, and the file's metadata "
+                                f"has no max_new_tokens; pass --max-new-tokens")
     return rollouts, adv["advantages"], args.temperature, args.max_new_tokens
 
 
 def main(argv=None):
     args = parse_args(argv)
+    common.check_checkpoint_out(args.out)
+    if args.beta == 0:
+        common.warn(diagnostics.BETA_ZERO_WARNING)
     rollouts, advantages, temperature, max_new_tokens = load_inputs(args)
     device = common.pick_device(args.device)
     tokenizer = common.load_tokenizer(args.model)

@@ -54,6 +54,7 @@ def test_user_error_is_one_line_and_exit_code_2(tmp_path):
     ("score.py", ["r:", "w_k"]),
     ("advantage.py", ["ε", "Dr. GRPO", "RLOO"]),
     ("update.py", ["β:", "ε (ε_low)", "ε_high", "μ:", "τ", "DAPO"]),
+    ("train.py", ["K:", "B:", "G:", "L_max:", "τ:", "β:", "ε (ε_low)", "ε_high:", "C:", "μ:", "ε in std + ε", "α:", "S:"]),
 ])
 def test_help_names_the_paper_symbols(script, symbols):
     result = cli(script, "--help")

@@ -51,7 +51,10 @@ def test_builtin_user_functions_and_weights(rollout_dir, tmp_path, monkeypatch):
             "--reward-weights", 2.0, 0.5, -1.0, "--out", out)
     assert r.code == 0, r.err
     got = load_file(out)
-    assert set(got) == {"rewards", "group_ids", "reward/exact_answer", "reward/length", "reward/has_answer_field"}
+    assert set(got) == {"rewards", "group_ids", "reward/exact_answer", "reward/length", "reward/has_answer_field",
+                        "lengths"}
+    rollouts = load_file(rollout_dir / "rollouts.safetensors")
+    assert torch.equal(got["lengths"], rollouts["completion_mask"].sum(-1))
     rollouts = load_file(rollout_dir / "rollouts.safetensors")
     assert torch.equal(got["group_ids"], rollouts["group_ids"])
     exact = torch.tensor([float(i % 3 == 0) for i in range(16)])

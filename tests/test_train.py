@@ -90,8 +90,9 @@ def test_resume_gives_the_same_weights(tiny_run, tmp_path):
 def test_resume_after_sigkill(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     killed = tmp_path / "killed"
-    argv = [sys.executable, "train.py", "--config", "tiny", "--run-dir", str(killed), "--iterations", "10"]
-    # Kill twice, at different points of the loop, then let a third process finish the run.
+    argv = [sys.executable, "train.py", "--config", "tiny", "--run-dir", str(killed), "--iterations", "10",
+            "--save-every", "3"]
+    # Kill twice, before the first save and after the second (at 6), then let a third process finish.
     for marker in (killed / "iter_0002" / "rollouts.safetensors", killed / "iter_0006" / "prompts.jsonl"):
         proc = subprocess.Popen(argv + (["--resume"] if killed.exists() else []), cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -126,7 +127,22 @@ def test_replay_an_iteration_stage_by_stage(tiny_run, tmp_path):
     assert replayed["loss"] == metrics["losses/loss"] and replayed["grad_norm"] == metrics["losses/grad_norm"]
 
 
-def test_run_dir_is_never_overwritten_and_resume_keeps_the_config(tiny_run):
+def test_run_dir_is_never_overwritten_and_resume_keeps_the_config(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     assert_user_error(cli("train.py", "--config", "tiny", "--run-dir", run_dir), "already holds a run", "--resume")
     assert_user_error(cli("train.py", "--run-dir", run_dir, "--resume", "--lr", 1), "--lr")
+    assert_user_error(cli("train.py", "--run-dir", run_dir, "--resume", "--iterations", 20), "30", "--iterations 20")
+    # A stage flag a stage would refuse is refused before the run folder exists.
+    for flags, fragment in [(["--estimator", "ppo"], "--estimator"), (["--loss-agg", "mean"], "--loss-agg"),
+                            (["--overlong-buffer", 100], "--overlong-buffer"), (["--dual-clip", 0.5], "--dual-clip")]:
+        fresh = tmp_path / "fresh"
+        assert_user_error(cli("train.py", "--config", "tiny", "--run-dir", fresh, *flags), fragment)
+        assert not fresh.exists()
+
+
+def test_policy_folder_is_what_update_py_writes(tiny_run):
+    run_dir, _ = tiny_run
+    metrics = json.loads((run_dir / "policy" / "metrics.json").read_text())
+    last = json.loads((run_dir / "iter_0029" / "metrics.json").read_text())
+    for key in ["loss", "policy_loss", "kl", "clip_frac", "ratio_mean", "ratio_max", "entropy", "grad_norm", "tokens"]:
+        assert metrics[key] == last[f"losses/{key}"], key

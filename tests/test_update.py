@@ -228,3 +228,25 @@ def test_empty_completion_row_and_damaged_optimizer_state(models, rollout_dir, t
     assert_user_error(cli("update.py", *args), "optimizer.safetensors", "--fresh-optimizer")
     assert not out.exists()
     assert cli("update.py", *args, "--fresh-optimizer").code == 0
+
+
+def test_out_folder_with_other_files_is_refused_and_dr_grpo_needs_l_max(models, rollout_dir, tmp_path):
+    adv = tmp_path / "adv.safetensors"
+    group_ids = load_file(rollout_dir / "rollouts.safetensors")["group_ids"]
+    save_file({"advantages": torch.ones(16), "group_ids": group_ids}, str(adv))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "rollouts.safetensors").write_bytes(b"keep me")
+    args = ["--model", models["policy"], "--rollouts", rollout_dir / "rollouts.safetensors", "--advantages", adv]
+    assert_user_error(cli("update.py", *args, "--out", busy), "--out", "rollouts.safetensors", "new or empty")
+    assert (busy / "rollouts.safetensors").read_bytes() == b"keep me"
+    # A checkpoint folder (say, the --model itself one step later) is replaced as a whole.
+    assert cli("update.py", *args, "--out", tmp_path / "ckpt").code == 0
+    assert cli("update.py", *args, "--out", tmp_path / "ckpt").code == 0
+
+    no_meta = tmp_path / "no_meta.safetensors"
+    save_file(load_file(rollout_dir / "rollouts.safetensors"), str(no_meta))
+    args[3] = no_meta
+    assert_user_error(cli("update.py", *args, "--out", tmp_path / "x", "--loss-agg", "dr_grpo"),
+                      "dr_grpo", "--max-new-tokens")
+    assert cli("update.py", *args, "--out", tmp_path / "x", "--loss-agg", "dr_grpo", "--max-new-tokens", 40).code == 0
