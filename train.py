@@ -87,6 +87,7 @@ class Config:
     on_reward_error: str = "fail"    # score.py --on-reward-error
     overlong_buffer: int = 0         # DAPO's overlong reward shaping, L tokens; 0 = off
     length_penalty: float = 0.0      # α of score.py --length-penalty; 0 = off
+    ignore_eos: bool = False         # sample.py --ignore-eos (benchmarks: every completion has L_max tokens)
     dynamic_sampling: bool = False   # DAPO's dynamic sampling: refill the batch with informative groups
     max_sample_rounds: int = 3
     seed: int = 0
@@ -94,6 +95,7 @@ class Config:
     eval_prompts: int = 48
     save_every: int = 10             # save policy/ (the resume point) and keep checkpoints/iter_XXXX this often
     device: str = "auto"
+    trust_remote_code: bool = False  # let model folders run their own Python code
 
 
 CONFIGS = {
@@ -167,12 +169,13 @@ def stage_flags(cfg, it_dir, slot, i, model_path, ref_path):
         "sample.py": (sample.parse_args, dict(
             model=model_path, prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir, group_size=cfg.group_size,
             num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            seed=cfg.seed * 1_000_003 + slot, ref_model=ref_path, device=cfg.device)),
+            seed=cfg.seed * 1_000_003 + slot, ref_model=ref_path, ignore_eos=cfg.ignore_eos, device=cfg.device,
+            trust_remote_code=cfg.trust_remote_code)),
         "score.py": (score.parse_args, dict(
             rollouts=files["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"), reward=cfg.rewards,
             overlong_buffer=cfg.overlong_buffer or None, length_penalty=cfg.length_penalty or None,
             max_new_tokens=cfg.max_new_tokens, on_reward_error=cfg.on_reward_error, out=files["rewards"],
-            device=cfg.device)),
+            device=cfg.device, trust_remote_code=cfg.trust_remote_code)),
         "advantage.py": (advantage.parse_args, dict(
             rewards=files["rewards"], out=files["advantages"], estimator=cfg.estimator, eps=cfg.eps,
             length_strata=cfg.length_strata if cfg.length_strata != 1 else None)),
@@ -183,7 +186,7 @@ def stage_flags(cfg, it_dir, slot, i, model_path, ref_path):
             kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, epochs=cfg.epochs,
             minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
             max_bad_steps=cfg.max_bad_steps, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed * 1_000_003 + i, device=cfg.device)),
+            seed=cfg.seed * 1_000_003 + i, device=cfg.device, trust_remote_code=cfg.trust_remote_code)),
     }
 
 
@@ -378,7 +381,8 @@ def evaluate(models, held_out, reward_fns, cfg, run_dir, step, reference):
         if models["ref"] is None and step == 0:               # β = 0 keeps no reference, but at 0 the policy is it
             reference.update(completions=completions, rewards=rewards, lengths=lengths)
         else:
-            ref = models["ref"] or common.load_model(models["base"], next(models["policy"].parameters()).device)
+            ref = models["ref"] or common.load_model(models["base"], next(models["policy"].parameters()).device,
+                                                     cfg.trust_remote_code)
             _, c, r, n = greedy_completions(ref, models["tokenizer"], held_out, reward_fns, cfg.max_new_tokens)
             reference.update(completions=c, rewards=r, lengths=n)
     rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b], "reward": rewards[b].item(),
@@ -392,11 +396,13 @@ def evaluate(models, held_out, reward_fns, cfg, run_dir, step, reference):
             "eval/num_prompts": len(rows)}
 
 
-def save_policy(models, optimizer, losses, uargs, run_dir, iterations_done, bad_steps):
-    """policy/: what update.py would write, and train_state.json, the resume point."""
+def save_policy(models, optimizer, losses, uargs, run_dir, iterations_done, bad_steps, saver, buffers):
+    """policy/: what update.py would write, and train_state.json, the resume point. Written by
+    `saver` in the background: the next iterations run while the 1.6 GB of the default model go to
+    disk, and policy/ is replaced only once they are all there."""
     update.save_update(models["policy"], models["tokenizer"], optimizer, losses, uargs, os.path.join(run_dir, "policy"),
                        extra_files={"train_state.json": lambda p: common.write_json(
-                           p, {"iteration": iterations_done, "bad_steps": bad_steps})})
+                           p, {"iteration": iterations_done, "bad_steps": bad_steps})}, writer=saver, buffers=buffers)
 
 
 def restore(run_dir):
@@ -444,9 +450,9 @@ def load_models(cfg, run_dir, done):
     policy_dir = os.path.join(run_dir, "policy")
     device = common.pick_device(cfg.device)
     return {"base": base, "ref_path": base if cfg.beta != 0 else None, "path": base,
-            "tokenizer": common.load_tokenizer(policy_dir if done else base),
-            "policy": common.load_model(policy_dir if done else base, device),
-            "ref": common.load_model(base, device) if cfg.beta != 0 else None}
+            "tokenizer": common.load_tokenizer(policy_dir if done else base, cfg.trust_remote_code),
+            "policy": common.load_model(policy_dir if done else base, device, cfg.trust_remote_code),
+            "ref": common.load_model(base, device, cfg.trust_remote_code) if cfg.beta != 0 else None}
 
 
 def check(cfg):
@@ -454,7 +460,8 @@ def check(cfg):
     with tempfile.TemporaryDirectory() as scratch:
         models = load_models(cfg, scratch, 0)
         train, _, _ = tasks.make_task(cfg.task, cfg.seed)
-        reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0) for spec in cfg.rewards]
+        reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0, cfg.trust_remote_code)
+                      for spec in cfg.rewards]
         batch, _, _ = sample_and_score(0, 0, cfg, os.path.join(scratch, "iter_0000"), models, train, reward_fns, {}, [])
     rollouts, rewards = batch["rollouts"], batch["rewards"]
     for line in diagnostics.spread_report(diagnostics.reward_spread(rewards, cfg.group_size), cfg.group_size):
@@ -467,6 +474,25 @@ def check(cfg):
           ", ".join(f"{k} {v:.2f}" for k, v in div.items()))
 
 
+def start(cfg, run_dir, done):
+    """Models, optimizer and rewards for a run; a new run folder is removed again if any of them fails to load."""
+    new = not os.path.exists(run_dir)
+    try:
+        reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0, cfg.trust_remote_code)
+                      for spec in cfg.rewards]
+        os.makedirs(run_dir, exist_ok=True)
+        common.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})   # first: the run is resumable
+        models = load_models(cfg, run_dir, done)
+    except BaseException:
+        if new:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    optimizer = update.make_optimizer(models["policy"], cfg.lr)
+    if done:
+        update.load_optimizer_state(models["policy"], optimizer, os.path.join(run_dir, "policy", "optimizer.safetensors"))
+    return models, optimizer, reward_fns
+
+
 def main(argv=None):
     args, overrides = parse_args(argv)
     cfg, run_dir = resolve_config(args, overrides)
@@ -475,25 +501,20 @@ def main(argv=None):
     done, bad_steps = restore(run_dir) if args.resume else (0, 0)
     if done > cfg.iterations:
         raise common.StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
-    os.makedirs(run_dir, exist_ok=True)
-    common.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})   # first: the run is resumable
     if cfg.beta == 0:
         common.warn(diagnostics.BETA_ZERO_WARNING)
 
     from torch.utils.tensorboard import SummaryWriter
 
-    models = load_models(cfg, run_dir, done)
+    models, optimizer, reward_fns = start(cfg, run_dir, done)
     policy_dir = os.path.join(run_dir, "policy")
-    optimizer = update.make_optimizer(models["policy"], cfg.lr)
-    if done:
-        update.load_optimizer_state(models["policy"], optimizer, os.path.join(policy_dir, "optimizer.safetensors"))
     train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
     held_out = held_out[:cfg.eval_prompts]
-    reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0) for spec in cfg.rewards]
     writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done)
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
     previous = common.read_json(previous) if done and os.path.isfile(previous) else None
     reference, saved_at = {}, done
+    saver, buffers = common.BackgroundWriter(), {}
 
     bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done, total=cfg.iterations,
                disable=None)
@@ -505,6 +526,7 @@ def main(argv=None):
         # The path the stage files record as --model: where the policy that samples iteration i lives.
         models["path"] = models["base"] if i == 0 else policy_dir
         if i > 0 and saved_at == i and cfg.save_every and i % cfg.save_every == 0:
+            saver.wait()                                      # policy/ must be complete before it is linked
             models["path"] = keep_checkpoint(run_dir, i)
         it_dir, metrics, batch, losses, uargs, commands, spread = run_iteration(
             i, cfg, run_dir, models, optimizer, train, reward_fns)
@@ -523,12 +545,13 @@ def main(argv=None):
         bad_steps += losses["skipped_steps"]
         metrics["diag/bad_steps_total"] = bad_steps
         if bad_steps > cfg.max_bad_steps:
+            saver.wait()
             raise common.StageError(f"{bad_steps} optimizer steps in this run had a non-finite loss or gradient, more "
                                     f"than --max-bad-steps {cfg.max_bad_steps}; stopped, {policy_dir} holds the last "
                                     f"good save ({saved_at} iterations)")
         t = time.perf_counter()
         if (cfg.save_every and (i + 1) % cfg.save_every == 0) or i + 1 == cfg.iterations:
-            save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps)
+            save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps, saver, buffers)
             saved_at = i + 1
         metrics["perf/checkpoint_s"] = time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0
@@ -546,6 +569,7 @@ def main(argv=None):
                    f"{metrics['perf/iteration_s']:.1f}s" +
                    (f"  held-out {evaluation['eval/reward_mean']:.3f}" if evaluation else ""))
 
+    saver.wait()
     if cfg.eval_every:
         final = evaluate(models, held_out, reward_fns, cfg, run_dir, cfg.iterations, reference)
         log(writer, final, cfg.iterations)

@@ -93,6 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the model folder run its own Python code (default off: it is code from the folder)")
     args = p.parse_args(argv)
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
@@ -288,14 +290,29 @@ def load_optimizer_state(policy, optimizer, path):
                               "exp_avg_sq": state["exp_avg_sq"].to(device)}
 
 
-def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None):
-    """Checkpoint, optimizer state and metrics.json, written into `out_dir` as one unit."""
-    common.save_checkpoint(policy, tokenizer, out_dir, extra_files={
-        "optimizer.safetensors": lambda path: common.save_tensors(
-            path, optimizer_state_tensors(policy, optimizer), "optimizer/1", vars(args)),
-        "metrics.json": lambda path: common.write_json(path, metrics),
-        **(extra_files or {}),
-    })
+def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None, writer=None, buffers=None):
+    """Checkpoint, optimizer state and metrics.json, written into `out_dir` as one unit.
+
+    With a common.BackgroundWriter, the weights and AdamW's state are first copied into `buffers`
+    (a dict kept by the caller) and the files are written in its thread while training goes on.
+    """
+    weights, state = common.checkpoint_tensors(policy), optimizer_state_tensors(policy, optimizer)
+    if writer is not None:
+        writer.wait()                                     # the previous write still reads the buffers
+        weights = common.snapshot(weights, buffers.setdefault("weights", {}))
+        state = common.snapshot(state, buffers.setdefault("optimizer", {}))
+
+    def write():
+        common.save_checkpoint(policy, tokenizer, out_dir, weights=weights, extra_files={
+            "optimizer.safetensors": lambda path: common.save_tensors(path, state, "optimizer/1", vars(args)),
+            "metrics.json": lambda path: common.write_json(path, metrics),
+            **(extra_files or {}),
+        })
+
+    if writer is None:
+        write()
+    else:
+        writer.submit(write)
 
 
 def load_inputs(args):
@@ -333,8 +350,8 @@ def main(argv=None):
         common.warn(diagnostics.BETA_ZERO_WARNING)
     rollouts, advantages, temperature, max_new_tokens = load_inputs(args)
     device = common.pick_device(args.device)
-    tokenizer = common.load_tokenizer(args.model)
-    policy = common.load_model(args.model, device)
+    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
+    policy = common.load_model(args.model, device, args.trust_remote_code)
     optimizer = make_optimizer(policy, args.lr, args.weight_decay)
     state_file = os.path.join(args.model, "optimizer.safetensors")
     if os.path.isfile(state_file) and not args.fresh_optimizer:
