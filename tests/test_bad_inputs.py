@@ -25,6 +25,12 @@ def files(models, rollout_dir, tmp_path_factory):
     no_weights = d / "no_weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text(open(os.path.join(models["policy"], "config.json")).read())
+    (d / "user_rewards.py").write_text(
+        "def raises(prompts, completions, **k):\n    raise ValueError('cannot parse')\n"
+        "def short(prompts, completions, **k):\n    return [1.0] * (len(completions) - 1)\n"
+        "def nothing(prompts, completions, **k):\n    return None\n"
+        "def holes(prompts, completions, **k):\n    return [None if i == 4 else float('nan') if i == 7 else 1.0\n"
+        "            for i in range(len(completions))]\n")
     return {"dir": d, "rollouts": rollouts, "samples": samples, "rewards": rewards, "advantages": advantages,
             "policy": models["policy"], "no_weights": no_weights}
 
@@ -112,6 +118,14 @@ CASES = {
     ("score", "samples not JSON"): (lambda f: ["--samples", raw(f, "bad.jsonl", open(f["samples"], "rb").read() + b"{no\n")],
                                     ["bad.jsonl", "line 17", "not valid JSON"]),
     ("score", "unknown reward"): (lambda f: ["--reward", "no_such_reward"], ["no_such_reward", "unknown reward"]),
+    ("score", "user reward raises"): (lambda f: ["--reward", f"{f['dir']}/user_rewards.py:raises"],
+                                      ["'raises'", "raised ValueError: cannot parse", "--on-reward-error skip"]),
+    ("score", "user reward wrong length"): (lambda f: ["--reward", f"{f['dir']}/user_rewards.py:short"],
+                                            ["'short'", "returned 15 values", "expected a list of 16"]),
+    ("score", "user reward returns None"): (lambda f: ["--reward", f"{f['dir']}/user_rewards.py:nothing"],
+                                            ["'nothing'", "returned None"]),
+    ("score", "user reward None or NaN rows"): (lambda f: ["--reward", f"{f['dir']}/user_rewards.py:holes"],
+                                                ["'holes'", "None, NaN", "rows 4, 7"]),
     ("score", "reward model folder holds no model"): (lambda f: ["--reward", str(f["no_weights"])], ["no_weights", "cannot load"]),
     # advantage.py
     ("advantage", "missing rewards"): (lambda f: ["--rewards", f["dir"] / "nope.safetensors"], ["nope.safetensors", "no such file"]),
