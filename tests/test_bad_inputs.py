@@ -3,6 +3,7 @@ naming the file, key, line or flag, a non-zero exit, no traceback, and no output
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -203,7 +204,12 @@ def test_train_bad_inputs_leave_no_run_folder(tmp_path, files):
     run = tmp_path / "run"
     assert_user_error(cli("train.py", "--model", tmp_path / "nomodel", "--run-dir", run), "nomodel", "no such model folder")
     assert_user_error(cli("train.py", "--config", "tiny", "--rewards", "no_such_reward", "--run-dir", run), "no_such_reward")
+    assert_user_error(cli("train.py", "--config", "tiny", "--group-size", "0", "--run-dir", run), "--group-size")
+    assert_user_error(cli("train.py", "--config", "tiny", "--no-such-flag", "--run-dir", run), "--no-such-flag")
     assert not run.exists()
+    cli("train.py", "--config", "tiny", "--iterations", "1", "--run-dir", run)
+    assert_user_error(cli("train.py", "--config", "tiny", "--run-dir", run), "already holds a run")
+    shutil.rmtree(run)
     run.mkdir()
     (run / "config.json").write_text("{not json")
     assert_user_error(cli("train.py", "--run-dir", run, "--resume"), "config.json", "not a readable JSON file")
