@@ -33,8 +33,11 @@ def run_cli(main):
     try:
         main()
     except StageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        rank, world = rank_and_world()
+        print(f"{prog}: error: {e}" if world == 1 else f"{prog}: error (rank {rank} of {world}): {e}", file=sys.stderr)
+        sys.exit(2)      # under torchrun, the launcher then stops the other ranks
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -56,9 +59,11 @@ def warn(message):
 
 
 def pick_device(name="auto"):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """cuda when there is a GPU (under torchrun, this rank's: LOCAL_RANK), else the CPU; or `name`."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name)
+    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
 
 
 def row_slices(n, size):
@@ -114,6 +119,101 @@ def grad_sync(model, enabled):
         finally:
             model.set_requires_gradient_sync(True)
 
+
+
+def init_distributed(device_name="auto"):
+    """The device of this process; under torchrun (WORLD_SIZE > 1) it first joins the process group,
+    NCCL when the processes have GPUs and gloo when they run on CPUs, each rank on its LOCAL_RANK GPU."""
+    device = pick_device(device_name)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def is_main():
+    """Rank 0, the one process that writes files and logs (every process when there is one)."""
+    return rank_and_world()[0] == 0
+
+
+def barrier():
+    if rank_and_world()[1] > 1:
+        torch.distributed.barrier()
+
+
+def from_main(values):
+    """Rank 0's tuple of ints on every rank (what rank 0 alone read from disk)."""
+    if rank_and_world()[1] == 1:
+        return tuple(values)
+    t = torch.tensor(values if is_main() else [0] * len(values), dtype=torch.long)
+    return tuple(all_reduce(t, "sum").tolist())
+
+
+def rank_seed(seed, rank):
+    """Rank r's sampling seed: rank 0 keeps `seed`, so one process draws what rank 0 of many draws."""
+    return seed + (rank << 32)
+
+
+def _comm_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else "cpu"
+
+
+def all_gather_rows(tensor, value=0, left=False):
+    """Every rank's [n_r] or [n_r, T_r] tensor, in rank order, as one list; dimension 1 is padded with
+    `value` to the longest T_r (on the left with `left`), and n_r may differ between ranks."""
+    if rank_and_world()[1] == 1:
+        return [tensor]
+    dist = torch.distributed
+    device, world = _comm_device(), dist.get_world_size()
+    shape = torch.tensor(tensor.shape, dtype=torch.long, device=device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    longest = torch.stack(shapes).max(0).values.tolist()
+    dtype = tensor.dtype
+    t = tensor.to(device, torch.uint8 if dtype == torch.bool else dtype)       # gloo gathers no bool
+    if t.dim() == 2:
+        width = longest[1] - t.shape[1]
+        t = torch.nn.functional.pad(t, (width, 0) if left else (0, width), value=value)
+    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, longest[0] - t.shape[0]))
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return [p[:int(s[0])].to(tensor.device, dtype) for p, s in zip(parts, shapes)]
+
+
+def all_gather_json(records):
+    """Every rank's list of JSON-able records, concatenated in rank order (sent as UTF-8 JSON, never pickle)."""
+    if rank_and_world()[1] == 1:
+        return list(records)
+    data = torch.frombuffer(bytearray(json.dumps(records).encode()), dtype=torch.uint8)
+    return [r for part in all_gather_rows(data) for r in json.loads(bytes(part.tolist()).decode())]
+
+
+def unwrap(model):
+    """The model inside a DDP wrapper (FSDP2 shards the model in place and keeps its class's methods)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def full_tensor(t):
+    """A DTensor (an FSDP2 shard) gathered into the whole tensor; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def distribute(model, fsdp=False):
+    """Under torchrun: the model in DDP, or sharded in place by FSDP2's fully_shard (each decoder layer,
+    then the whole) with `fsdp`. One process: the model itself."""
+    if rank_and_world()[1] == 1:
+        return model
+    if not fsdp:
+        device = next(model.parameters()).device
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in getattr(getattr(model, "model", model), "layers", []):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
 
 # ----------------------------------------------------------------------------------------
 # Files between stages
@@ -474,13 +574,11 @@ def pad_columns(x, width, value=0.0):
 def checkpoint_tensors(model):
     """The model's state dict for model.safetensors, without the tied copies (lm_head.weight when the
     embeddings are tied), which from_pretrained restores from the config, as save_pretrained does."""
-    tensors, seen = {}, set()
-    for name, t in model.state_dict().items():
-        if t.data_ptr() in seen and t.numel():
-            continue
-        seen.add(t.data_ptr())
-        tensors[name] = t
-    return tensors
+    model = unwrap(model)
+    unique = {name for name, _ in model.named_parameters()}                      # tied copies left out
+    shared = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+    # FSDP2 shards are gathered here, in the same order on every rank (each gather is a collective).
+    return {name: full_tensor(t) for name, t in model.state_dict().items() if name not in shared}
 
 
 def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
@@ -586,7 +684,11 @@ def recover_dir(path):
     """Undo a replace_dir() cut short between its renames: `path` is missing and `path.old` holds it."""
     path = path.rstrip("/")
     if not os.path.exists(path) and os.path.isdir(path + ".old"):
-        os.rename(path + ".old", path)
+        try:
+            os.rename(path + ".old", path)
+        except OSError:
+            if not os.path.isdir(path):                          # another rank of torchrun got there first
+                raise
 
 
 # ----------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ Choices where the paper and DESIGN.md are silent:
   reproducible for a given seed and micro-batch size.
 """
 
+import argparse
 import os
 import time
 
@@ -214,7 +215,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
     chunks = {"completion_ids": [], "completion_mask": [], "old_logprobs": [], "truncated": []}
-    with tqdm(total=None, desc="sample", unit="tok", leave=False, disable=None) as bar:
+    with tqdm(total=None, desc="sample", unit="tok", leave=False, disable=None if common.is_main() else True) as bar:
         for rows in common.row_slices(N, args.micro_batch_size):
             ids, mask, logp, truncated = sample_completions(
                 policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
@@ -241,6 +242,30 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
     return tensors, samples
 
 
+def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_path="prompts"):
+    """rollout() under torchrun: rank r samples a contiguous share of whole groups from its own
+    generator, seeded with common.rank_seed(seed, r), and every rank gets all rows back in group
+    order. So rank r's groups are what one process draws for that share (--start, --num-prompts)
+    with that seed. One process: rollout() itself."""
+    rank, world = common.rank_and_world()
+    if world == 1:
+        return rollout(policy, tokenizer, records, args, ref_model, prompts_path=prompts_path)
+    if len(records) < world:
+        raise common.StageError(f"{len(records)} prompts for {world} processes: each process samples whole groups, "
+                                f"so --num-prompts must be at least the number of processes")
+    share = common.shard_slice(len(records), rank, world)
+    local_args = argparse.Namespace(**{**vars(args), "start": args.start + share.start})
+    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(common.rank_seed(args.seed, rank))
+    tensors, samples = rollout(policy, tokenizer, records[share], local_args, ref_model, generator, prompts_path)
+    for s in samples:
+        s["group"] += share.start
+    pad = tokenizer.pad_token_id
+    parts = {k: common.all_gather_rows(v, pad if k.endswith("_ids") else 0, left=k.startswith("prompt"))
+             for k, v in tensors.items()}
+    tensors = concat_rollouts([{k: parts[k][r] for k in parts} for r in range(world)], pad)
+    return tensors, common.all_gather_json(samples)
+
+
 @torch.inference_mode()
 def reference_logprobs(ref_model, tensors, temperature, micro_batch_size):
     """log π_ref of every completion token, at the sampling temperature. [N, T]"""
@@ -264,14 +289,16 @@ def main(argv=None):
     args = parse_args(argv)
     records = select_records(args.prompts, args.start, args.num_prompts)
     args.num_prompts = len(records)
-    device = common.pick_device(args.device)
+    device = common.init_distributed(args.device)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
     policy = common.load_model(args.model, device, args.trust_remote_code)
     ref_model = common.load_model(args.ref_model, device, args.trust_remote_code) if args.ref_model else None
 
     t0 = time.perf_counter()
-    tensors, samples = rollout(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts)
+    tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts)
     seconds = time.perf_counter() - t0
+    if not common.is_main():
+        return
     write_outputs(args.out, tensors, samples, args)
 
     lengths = tensors["completion_mask"].sum(-1).float()

@@ -212,6 +212,25 @@ def score(rollouts, samples, reward_fns, weights, on_error="fail"):
     return total, components, skipped
 
 
+def score_sharded(rollouts, samples, reward_fns, weights, on_error="fail"):
+    """score() under torchrun: each rank scores a contiguous share of whole groups (so a skipped row's
+    group mean is its own group's) and every rank gets all rows back in order. One process: score()."""
+    rank, world = common.rank_and_world()
+    _, group_index = torch.unique_consecutive(rollouts["group_ids"], return_inverse=True)           # [N]
+    num_groups = int(group_index.max()) + 1 if len(samples) else 0
+    if world == 1 or num_groups < world:                    # too few groups to share: every rank scores all
+        return score(rollouts, samples, reward_fns, weights, on_error)
+    share = common.shard_slice(num_groups, rank, world)
+    rows = torch.nonzero((group_index >= share.start) & (group_index < share.stop)).flatten()          # [n]
+    local = {k: v[rows] for k, v in rollouts.items() if k in ("group_ids", "completion_ids", "completion_mask")}
+    total, components, skipped = score(local, [samples[i] for i in rows.tolist()], reward_fns, weights, on_error)
+
+    def gathered(t):
+        return torch.cat(common.all_gather_rows(t))
+
+    return gathered(total), {k: gathered(v) for k, v in components.items()}, gathered(skipped)
+
+
 def overlong_penalty(lengths, max_len, buffer):
     """DAPO's soft overlong punishment per completion: 0 for |o| ≤ L_max − L, then (L_max − L − |o|)/L
     down to −1 at |o| = L_max, and −1 beyond. lengths [N] -> [N]"""
@@ -267,12 +286,15 @@ def main(argv=None):
             check_overlong(args.overlong_buffer, args.max_new_tokens)
     samples = common.read_jsonl(args.samples)
     check_samples(samples, rollouts["group_ids"], args.samples)
-    device = common.pick_device(args.device)
+    device = common.init_distributed(args.device)
     reward_fns = [load_reward(spec, device, args.micro_batch_size, args.trust_remote_code) for spec in args.reward]
 
-    rewards, components, skipped = score(rollouts, samples, reward_fns, args.reward_weights, args.on_reward_error)
+    rewards, components, skipped = score_sharded(rollouts, samples, reward_fns, args.reward_weights,
+                                                 args.on_reward_error)
     if lengths is not None:
         rewards = length_shaping(rewards, components, lengths, args)
+    if not common.is_main():
+        return
     write_rewards(args.out, rewards, rollouts["group_ids"], components, args, lengths, skipped)
     parts = ", ".join(f"{k} {v.mean().item():.3f}" for k, v in components.items())
     print(f"scored {len(samples)} completions: reward mean {rewards.mean().item():.4f} "

@@ -96,6 +96,7 @@ class Config:
     save_every: int = 10             # save policy/ (the resume point) and keep checkpoints/iter_XXXX this often
     device: str = "auto"
     trust_remote_code: bool = False  # let model folders run their own Python code
+    fsdp: bool = False               # under torchrun: update.py --fsdp (FSDP2) instead of DDP
 
 
 CONFIGS = {
@@ -107,7 +108,7 @@ CONFIGS = {
                   eval_prompts=200, save_every=50),
 }
 # What --resume may change: nothing that alters the iterations already done.
-RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps"}
+RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp"}
 SYMBOLS = {"iterations": "K: iterations", "num_prompts": "B: prompts per iteration", "group_size": "G: completions "
            "per prompt", "max_new_tokens": "L_max: completion length limit", "temperature": "τ: sampling temperature",
            "beta": "β: KL weight", "clip_eps": "ε (ε_low): clip range", "clip_eps_high": "ε_high: upper clip (DAPO)",
@@ -186,7 +187,7 @@ def stage_flags(cfg, it_dir, slot, i, model_path, ref_path):
             kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, epochs=cfg.epochs,
             minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
             max_bad_steps=cfg.max_bad_steps, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed * 1_000_003 + i, device=cfg.device, trust_remote_code=cfg.trust_remote_code)),
+            seed=cfg.seed * 1_000_003 + i, fsdp=cfg.fsdp, device=cfg.device, trust_remote_code=cfg.trust_remote_code)),
     }
 
 
@@ -240,12 +241,12 @@ def sample_and_score(slot, i, cfg, it_dir, models, train, reward_fns, perf, comm
     rargs = stage_args("score.py", *flags["score.py"], commands)
     records = iteration_records(train, slot, cfg.num_prompts, cfg.seed)
     with timed(perf, "perf/sample_s"):
-        rollouts, samples = sample.rollout(models["policy"], models["tokenizer"], records, sargs, models["ref"],
-                                           prompts_path=sargs.prompts)
+        rollouts, samples = sample.rollout_sharded(models["sampler"], models["tokenizer"], records, sargs,
+                                                   models["ref"], prompts_path=sargs.prompts)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
     with timed(perf, "perf/score_s"):
-        rewards, components, skipped = score.score(rollouts, samples, reward_fns, rargs.reward_weights,
-                                                   rargs.on_reward_error)
+        rewards, components, skipped = score.score_sharded(rollouts, samples, reward_fns, rargs.reward_weights,
+                                                           rargs.on_reward_error)
         rewards = score.length_shaping(rewards, components, rollouts["completion_mask"].sum(-1), rargs)
     batch = {"records": records, "rollouts": rollouts, "samples": samples, "rewards": rewards,
              "components": components, "skipped": skipped}
@@ -288,8 +289,10 @@ def dapo_dynamic_sampling(i, cfg, perf, sample_round, pad_id):
 def run_iteration(i, cfg, run_dir, models, optimizer, train, reward_fns):
     """Stages 1→4 on the in-memory models, each stage's file written as its script would write it."""
     it_dir = os.path.join(run_dir, f"iter_{i:04d}")
-    shutil.rmtree(it_dir, ignore_errors=True)                 # a partial iteration is redone from scratch
-    os.makedirs(it_dir)
+    main = common.is_main()                                   # under torchrun, rank 0 writes the files
+    if main:
+        shutil.rmtree(it_dir, ignore_errors=True)             # a partial iteration is redone from scratch
+        os.makedirs(it_dir)
     perf, commands = {}, []
 
     def sample_round(slot):
@@ -304,21 +307,25 @@ def run_iteration(i, cfg, run_dir, models, optimizer, train, reward_fns):
     rollouts, rewards = batch["rollouts"], batch["rewards"]
     lengths = rollouts["completion_mask"].sum(-1)                                           # [N]
     with timed(perf, "perf/io_s"):
-        common.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
-        sample.write_outputs(it_dir, rollouts, batch["samples"], sargs)
-        score.write_rewards(rargs.out, rewards, rollouts["group_ids"], batch["components"], rargs, lengths,
-                            batch["skipped"])
+        if main:
+            common.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
+            sample.write_outputs(it_dir, rollouts, batch["samples"], sargs)
+            score.write_rewards(rargs.out, rewards, rollouts["group_ids"], batch["components"], rargs, lengths,
+                                batch["skipped"])
 
     flags = stage_flags(cfg, it_dir, i, i, models["path"], models["ref_path"])
     aargs = stage_args("advantage.py", *flags["advantage.py"], commands)
     adv = advantage.compute(rewards, rollouts["group_ids"], aargs, lengths)
     with timed(perf, "perf/io_s"):
-        common.save_tensors(aargs.out, adv, common.ADVANTAGES[0], vars(aargs))
+        if main:
+            common.save_tensors(aargs.out, adv, common.ADVANTAGES[0], vars(aargs))
 
     uargs = stage_args("update.py", *flags["update.py"], commands)
     with timed(perf, "perf/update_s"):
         losses = update.update(models["policy"], optimizer, rollouts, adv["advantages"], uargs, cfg.temperature,
                                cfg.max_new_tokens)
+        if models["sampler"] is not models["policy"]:         # FSDP: the full copy that samples takes the step
+            models["sampler"].load_state_dict(common.checkpoint_tensors(models["policy"]), strict=False)
 
     spread = diagnostics.reward_spread(rewards, cfg.group_size)
     diag_keys = ("logprob_diff_max", "logprob_diff_mean", "skipped_steps")
@@ -375,13 +382,13 @@ def evaluate(models, held_out, reward_fns, cfg, run_dir, step, reference):
     """The policy and the reference side by side on the held-out prompts (greedy); writes
     eval/iter_XXXX.jsonl and returns eval/ metrics. The reference's answers never change, so they
     are computed once per process and kept in `reference`."""
-    texts, completions, rewards, lengths = greedy_completions(models["policy"], models["tokenizer"], held_out,
+    texts, completions, rewards, lengths = greedy_completions(models["sampler"], models["tokenizer"], held_out,
                                                               reward_fns, cfg.max_new_tokens)
     if not reference:
         if models["ref"] is None and step == 0:               # β = 0 keeps no reference, but at 0 the policy is it
             reference.update(completions=completions, rewards=rewards, lengths=lengths)
         else:
-            ref = models["ref"] or common.load_model(models["base"], next(models["policy"].parameters()).device,
+            ref = models["ref"] or common.load_model(models["base"], next(models["sampler"].parameters()).device,
                                                      cfg.trust_remote_code)
             _, c, r, n = greedy_completions(ref, models["tokenizer"], held_out, reward_fns, cfg.max_new_tokens)
             reference.update(completions=c, rewards=r, lengths=n)
@@ -435,7 +442,21 @@ def keep_checkpoint(run_dir, i):
 
     shutil.copytree(os.path.join(run_dir, "policy"), keep + ".tmp", copy_function=link)
     common.replace_dir(keep + ".tmp", keep)
-    return keep
+
+
+def report(writer, bar, it_dir, i, metrics, batch, evaluation, G):
+    """metrics.json (written last: the iteration is complete), TensorBoard, and the progress line."""
+    common.write_json(os.path.join(it_dir, "metrics.json"), metrics)
+    log(writer, metrics, i)
+    shown = [f"**reward {r:.3f}** · {s['prompt'][-60:]!r} → {s['completion']!r}"
+             for s, r in list(zip(batch["samples"], batch["rewards"].tolist()))[::G][:4]]
+    writer.add_text("samples", "\n\n".join(shown), i)
+    kl = metrics["losses/kl"] or 0.0
+    bar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", kl=f"{kl:.4f}")
+    tqdm.write(f"iter {i:4d}  reward {metrics['charts/reward_mean']:.3f}  frac_zero_std "
+               f"{metrics['charts/frac_zero_std']:.2f}  kl {kl:.4f}  len {metrics['charts/completion_len']:.1f}  "
+               f"{metrics['perf/iteration_s']:.1f}s" +
+               (f"  held-out {evaluation['eval/reward_mean']:.3f}" if evaluation else ""))
 
 
 def log(writer, metrics, step):
@@ -445,13 +466,20 @@ def log(writer, metrics, step):
 
 
 def load_models(cfg, run_dir, done):
-    """Policy (from the last save when resuming), tokenizer and, when β ≠ 0, the frozen reference."""
+    """Policy (from the last save when resuming), tokenizer and, when β ≠ 0, the frozen reference.
+
+    Under torchrun the policy is in DDP, or sharded by FSDP2 with --fsdp; "sampler" is the whole
+    model that samples: the policy itself (DDP's module), or with FSDP a full copy that takes each
+    step's weights."""
     base = base_model_dir(cfg, run_dir)
-    policy_dir = os.path.join(run_dir, "policy")
+    start = os.path.join(run_dir, "policy") if done else base
     device = common.pick_device(cfg.device)
+    policy = common.load_model(start, device, cfg.trust_remote_code)
+    sharded = cfg.fsdp and common.rank_and_world()[1] > 1
+    sampler = common.load_model(start, device, cfg.trust_remote_code) if sharded else policy
     return {"base": base, "ref_path": base if cfg.beta != 0 else None, "path": base,
-            "tokenizer": common.load_tokenizer(policy_dir if done else base, cfg.trust_remote_code),
-            "policy": common.load_model(policy_dir if done else base, device, cfg.trust_remote_code),
+            "tokenizer": common.load_tokenizer(start, cfg.trust_remote_code),
+            "policy": common.distribute(policy, cfg.fsdp), "sampler": sampler,
             "ref": common.load_model(base, device, cfg.trust_remote_code) if cfg.beta != 0 else None}
 
 
@@ -463,6 +491,8 @@ def check(cfg):
         reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0, cfg.trust_remote_code)
                       for spec in cfg.rewards]
         batch, _, _ = sample_and_score(0, 0, cfg, os.path.join(scratch, "iter_0000"), models, train, reward_fns, {}, [])
+    if not common.is_main():
+        return
     rollouts, rewards = batch["rollouts"], batch["rewards"]
     for line in diagnostics.spread_report(diagnostics.reward_spread(rewards, cfg.group_size), cfg.group_size):
         print(line)
@@ -476,15 +506,18 @@ def check(cfg):
 
 def start(cfg, run_dir, done):
     """Models, optimizer and rewards for a run; a new run folder is removed again if any of them fails to load."""
-    new = not os.path.exists(run_dir)
+    main, new = common.is_main(), not os.path.exists(run_dir)
     try:
         reward_fns = [score.load_reward(spec, common.pick_device(cfg.device), 0, cfg.trust_remote_code)
                       for spec in cfg.rewards]
-        os.makedirs(run_dir, exist_ok=True)
-        common.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})   # first: the run is resumable
+        if main:
+            os.makedirs(run_dir, exist_ok=True)
+            common.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})   # first: resumable
+            base_model_dir(cfg, run_dir)                      # the tiny config's base model is built once
+        common.barrier()
         models = load_models(cfg, run_dir, done)
     except BaseException:
-        if new:
+        if main and new:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     optimizer = update.make_optimizer(models["policy"], cfg.lr)
@@ -496,9 +529,12 @@ def start(cfg, run_dir, done):
 def main(argv=None):
     args, overrides = parse_args(argv)
     cfg, run_dir = resolve_config(args, overrides)
+    common.init_distributed(cfg.device)                       # under torchrun; rank 0 writes and logs
+    main = common.is_main()
+    common.barrier()                                          # every rank has checked run_dir before it is created
     if args.check:
         return check(cfg)
-    done, bad_steps = restore(run_dir) if args.resume else (0, 0)
+    done, bad_steps = common.from_main(restore(run_dir) if args.resume and main else (0, 0))
     if done > cfg.iterations:
         raise common.StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
     if cfg.beta == 0:
@@ -510,29 +546,31 @@ def main(argv=None):
     policy_dir = os.path.join(run_dir, "policy")
     train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
     held_out = held_out[:cfg.eval_prompts]
-    writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done)
+    writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
     previous = common.read_json(previous) if done and os.path.isfile(previous) else None
     reference, saved_at = {}, done
     saver, buffers = common.BackgroundWriter(), {}
 
     bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done, total=cfg.iterations,
-               disable=None)
+               disable=None if main else True)
     for i in bar:
         t0 = time.perf_counter()
         evaluation = {}
-        if cfg.eval_every and i % cfg.eval_every == 0:
+        if main and cfg.eval_every and i % cfg.eval_every == 0:
             evaluation = evaluate(models, held_out, reward_fns, cfg, run_dir, i, reference)
         # The path the stage files record as --model: where the policy that samples iteration i lives.
         models["path"] = models["base"] if i == 0 else policy_dir
         if i > 0 and saved_at == i and cfg.save_every and i % cfg.save_every == 0:
-            saver.wait()                                      # policy/ must be complete before it is linked
-            models["path"] = keep_checkpoint(run_dir, i)
+            models["path"] = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
+            if main:
+                saver.wait()                                  # policy/ must be complete before it is linked
+                keep_checkpoint(run_dir, i)
         it_dir, metrics, batch, losses, uargs, commands, spread = run_iteration(
             i, cfg, run_dir, models, optimizer, train, reward_fns)
-        if models["path"] != policy_dir and not cfg.dynamic_sampling:   # the sampling policy is kept: replayable
+        if main and models["path"] != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept: replayable
             write_replay(it_dir, i, commands)
-        if i == 0:
+        if main and i == 0:
             for line in diagnostics.spread_report(spread, cfg.group_size):
                 tqdm.write(line)
         flags = diagnostics.collapse_flags(
@@ -555,27 +593,18 @@ def main(argv=None):
             saved_at = i + 1
         metrics["perf/checkpoint_s"] = time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0
-        common.write_json(os.path.join(it_dir, "metrics.json"), metrics)
+        if main:
+            report(writer, bar, it_dir, i, metrics, batch, evaluation, cfg.group_size)
         previous = metrics
 
-        log(writer, metrics, i)
-        shown = [f"**reward {r:.3f}** · {s['prompt'][-60:]!r} → {s['completion']!r}"
-                 for s, r in list(zip(batch["samples"], batch["rewards"].tolist()))[::cfg.group_size][:4]]
-        writer.add_text("samples", "\n\n".join(shown), i)
-        kl = metrics["losses/kl"] or 0.0
-        bar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", kl=f"{kl:.4f}")
-        tqdm.write(f"iter {i:4d}  reward {metrics['charts/reward_mean']:.3f}  frac_zero_std "
-                   f"{metrics['charts/frac_zero_std']:.2f}  kl {kl:.4f}  len {metrics['charts/completion_len']:.1f}  "
-                   f"{metrics['perf/iteration_s']:.1f}s" +
-                   (f"  held-out {evaluation['eval/reward_mean']:.3f}" if evaluation else ""))
-
     saver.wait()
-    if cfg.eval_every:
+    if main and cfg.eval_every:
         final = evaluate(models, held_out, reward_fns, cfg, run_dir, cfg.iterations, reference)
         log(writer, final, cfg.iterations)
         print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean']:.3f}, "
               f"reference {final['eval/ref_reward_mean']:.3f} ({final['eval/num_prompts']} prompts, greedy)")
-    writer.close()
+    if main:
+        writer.close()
 
 
 if __name__ == "__main__":

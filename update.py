@@ -36,6 +36,8 @@ Choices where the paper and DESIGN.md are silent:
   average, and sample.py never writes one, so such a file was built wrongly.
 - --out DIR is replaced as a unit (written beside it, then renamed), so it must be new, empty, or
   an earlier checkpoint folder; a folder holding other files (say, the rollouts) is refused.
+- Under torchrun each minibatch's rows are split across the ranks (DDP, or FSDP2 with --fsdp); the
+  loss keeps the whole minibatch's normaliser, so loss, grad_norm and the step equal one process's.
 - metrics.json holds each metric measured before each optimizer step, averaged over the steps;
   `kl` is null when the rollouts have no ref_logprobs (only allowed with β = 0).
 """
@@ -92,6 +94,9 @@ def parse_args(argv=None):
                    help="steps with a non-finite loss or gradient are skipped; stop with an error after this many (default 5)")
     p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the policy, its gradients and AdamW's state across the ranks with\n"
+                        "FSDP2 (fully_shard per decoder layer) instead of a full copy per rank in DDP (default)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model folder run its own Python code (default off: it is code from the folder)")
@@ -171,15 +176,15 @@ def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_t
             mask = rollouts["completion_mask"][rows]                                   # [M, T]
             num_seqs, num_tokens = len(rows), int(mask.sum())
             local = rows[common.shard_slice(len(rows), rank, world)]                   # [M / world]
-            weight = float(world)
-            if len(local) == 0:      # more ranks than rows: one row at weight 0 keeps the collectives in step
-                local, weight = rows[:1], 0.0
+            micros = [(local[m], float(world)) for m in common.row_slices(len(local), args.micro_batch_size)]
+            # Every rank makes as many passes as rank 0, which has the largest share (FSDP's gathers are
+            # collectives); a spare pass runs one row at weight 0, as does a rank with no rows.
+            busiest = len(common.row_slices(max(-(-len(rows) // world), 1), args.micro_batch_size))
+            micros += [(rows[:1], 0.0)] * (busiest - len(micros))
             sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
             ratio_max = torch.zeros((), dtype=torch.float64)
             optimizer.zero_grad(set_to_none=True)
-            micros = common.row_slices(len(local), args.micro_batch_size)
-            for k, micro in enumerate(micros):
-                idx = local[micro]
+            for k, (idx, weight) in enumerate(micros):
                 batch = {key: v[idx].to(device) for key, v in rollouts.items()}
                 m = batch["completion_mask"]                                           # [n, T]
                 with common.grad_sync(policy, k == len(micros) - 1):
@@ -191,7 +196,7 @@ def update(policy, optimizer, rollouts, advantages, args, temperature, max_new_t
                         args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level,
                         args.kl_estimator)
                     loss = aggregate(token_loss, m, args.loss_agg, num_seqs, num_tokens, max_new_tokens)
-                    (loss * weight).backward()
+                    (loss * weight).backward()   # DDP and FSDP average over ranks; × world makes it a sum
                 if weight == 0:
                     continue
                 with torch.no_grad():
@@ -263,9 +268,9 @@ def make_optimizer(policy, lr, weight_decay=0.0):
 
 def optimizer_state_tensors(policy, optimizer):
     """AdamW's per-parameter state keyed 'param_name/exp_avg' etc., for a safetensors file (no pickle)."""
-    names = {p: n for n, p in policy.named_parameters()}
-    return {f"{names[p]}/{k}": (v if torch.is_tensor(v) else torch.tensor(v)) for p, state in optimizer.state.items()
-            for k, v in state.items()}
+    names = {p: n for n, p in common.unwrap(policy).named_parameters()}
+    return {f"{names[p]}/{k}": common.full_tensor(v if torch.is_tensor(v) else torch.tensor(v))
+            for p, state in optimizer.state.items() for k, v in state.items()}
 
 
 def load_optimizer_state(policy, optimizer, path):
@@ -277,7 +282,7 @@ def load_optimizer_state(policy, optimizer, path):
         raise common.StageError(f"{path}: not a readable optimizer state ({str(e).splitlines()[0]}); "
                                 f"delete it or pass --fresh-optimizer") from None
     device = next(policy.parameters()).device
-    for name, p in policy.named_parameters():
+    for name, p in common.unwrap(policy).named_parameters():
         state = {key: saved.get(f"{name}/{key}") for key in ("step", "exp_avg", "exp_avg_sq")}
         if any(v is None for v in state.values()):
             raise common.StageError(f"{path}: no AdamW state for parameter {name}; is it from another model? "
@@ -286,8 +291,12 @@ def load_optimizer_state(policy, optimizer, path):
             if state[key].shape != p.shape:
                 raise common.StageError(f"{path}: {name}/{key} has shape {list(state[key].shape)}, "
                                         f"the parameter has {list(p.shape)}")
-        optimizer.state[p] = {"step": state["step"].float(), "exp_avg": state["exp_avg"].to(device),
-                              "exp_avg_sq": state["exp_avg_sq"].to(device)}
+        moments = {key: state[key].to(device) for key in ("exp_avg", "exp_avg_sq")}
+        if hasattr(p, "device_mesh"):                   # an FSDP2 shard: keep this rank's part of the state
+            from torch.distributed.tensor import distribute_tensor
+
+            moments = {k: distribute_tensor(v, p.device_mesh, p.placements) for k, v in moments.items()}
+        optimizer.state[p] = {"step": state["step"].float(), **moments}
 
 
 def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None, writer=None, buffers=None):
@@ -296,7 +305,10 @@ def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_file
     With a common.BackgroundWriter, the weights and AdamW's state are first copied into `buffers`
     (a dict kept by the caller) and the files are written in its thread while training goes on.
     """
-    weights, state = common.checkpoint_tensors(policy), optimizer_state_tensors(policy, optimizer)
+    weights, state = common.checkpoint_tensors(policy), optimizer_state_tensors(policy, optimizer)   # every rank
+    if not common.is_main():                              # rank 0 writes
+        return
+    policy = common.unwrap(policy)
     if writer is not None:
         writer.wait()                                     # the previous write still reads the buffers
         weights = common.snapshot(weights, buffers.setdefault("weights", {}))
@@ -349,9 +361,9 @@ def main(argv=None):
     if args.beta == 0:
         common.warn(diagnostics.BETA_ZERO_WARNING)
     rollouts, advantages, temperature, max_new_tokens = load_inputs(args)
-    device = common.pick_device(args.device)
+    device = common.init_distributed(args.device)
     tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-    policy = common.load_model(args.model, device, args.trust_remote_code)
+    policy = common.distribute(common.load_model(args.model, device, args.trust_remote_code), args.fsdp)
     optimizer = make_optimizer(policy, args.lr, args.weight_decay)
     state_file = os.path.join(args.model, "optimizer.safetensors")
     if os.path.isfile(state_file) and not args.fresh_optimizer:
@@ -361,7 +373,8 @@ def main(argv=None):
     metrics = update(policy, optimizer, rollouts, advantages, args, temperature, max_new_tokens)
     metrics["seconds"] = time.perf_counter() - t0
     save_update(policy, tokenizer, optimizer, metrics, args, args.out)
-    print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}))
+    if common.is_main():
+        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}))
 
 
 if __name__ == "__main__":
