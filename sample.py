@@ -29,6 +29,8 @@ Choices where the paper and DESIGN.md are silent:
   a rendered chat already holds them and gets none added.
 - All rows are sampled from one seeded generator in --micro-batch-size chunks, so a sample is
   reproducible for a given seed and micro-batch size.
+- Under torchrun, rank r samples a contiguous share of whole groups from a generator seeded with
+  common.rank_seed(seed, r) (rank 0 keeps the seed), and rank 0 writes every row in group order.
 """
 
 import argparse

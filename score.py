@@ -29,6 +29,9 @@ completion_mask's count, first EOS included), for advantage.py --length-strata a
 Length terms from |o| and L_max = max_new_tokens, each added with weight 1 and kept as a component:
 --overlong-buffer L (DAPO's soft overlong punishment, reward/overlong) and --length-penalty α
 (reward/length = −α·|o|/L_max, against a reward that favours long answers).
+
+Under torchrun each rank scores a contiguous share of whole groups (a reward function then sees
+only that share's rows) and rank 0 writes all of them in order.
 """
 
 import importlib

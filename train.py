@@ -1,9 +1,11 @@
-"""The GRPO loop: sample → score → advantage → update, K iterations in one process.
+"""The GRPO loop: sample → score → advantage → update, K iterations in one process (or in each
+process of torchrun).
 
     python train.py                          # SmolLM2-135M-Instruct on two-digit sums (about 15 min, 2 CPU cores)
     python train.py --config tiny            # a small Llama learning a toy task from scratch (about a minute)
     python train.py --check                  # sample the first batch, report its reward spread, write nothing
     python train.py --run-dir runs/default --resume --iterations 30     # continue a run
+    torchrun --nproc_per_node 8 train.py --config gpu [--fsdp]          # one node, 8 GPUs
 
 Models stay in memory between stages, but every stage's file is written by that stage's own
 functions, with the argument namespace that stage's parser builds, so any iteration can be
@@ -19,6 +21,13 @@ re-run one stage at a time from the files (README: "Replaying an iteration"). Th
     runs/NAME/eval/iter_XXXX.jsonl     greedy held-out completions of the policy after XXXX iterations,
                                        beside the reference model's
     runs/NAME/tb/                      TensorBoard events (charts/, losses/, diag/, diversity/, eval/, perf/)
+
+runfolder.py saves, keeps and restores the run folder; evaluation.py is the held-out comparison.
+
+Under torchrun every rank samples and scores its share of the groups and gets all rows back,
+every rank computes the same advantages, update.py's function splits each minibatch across
+the ranks (DDP, or FSDP2 with --fsdp, where a full copy of the policy samples), and rank 0
+alone writes files, logs and evaluates.
 
 Variants: every flag of the stages' variants is also a field here (--estimator, --loss-agg,
 --clip-eps-high, --dual-clip, --ratio-level, --kl-estimator, --overlong-buffer, --length-penalty,
@@ -37,10 +46,8 @@ for bit on a CPU).
 """
 
 import dataclasses
-import glob
 import os
 import random
-import shlex
 import shutil
 import tempfile
 import time
@@ -53,8 +60,10 @@ from tqdm import tqdm
 import advantage
 import common
 import diagnostics
+import evaluation
 import sample
 import score
+import runfolder
 import tasks
 import update
 
@@ -348,123 +357,6 @@ def run_iteration(i, cfg, run_dir, models, optimizer, train, reward_fns):
     return it_dir, metrics, batch, losses, uargs, commands, spread
 
 
-def write_replay(it_dir, i, commands):
-    """replay.sh: this iteration's four stages as commands whose outputs go to $OUT, for comparison."""
-    out = f"${{OUT:-replay/iter_{i:04d}}}"
-    lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {it_dir}.", "set -e"]
-    for argv in commands:
-        redirect = [a in ("--out", "--rollouts", "--samples", "--rewards", "--advantages") for a in [""] + argv[:-1]]
-        argv = [(out if a == it_dir else f"{out}/{os.path.basename(a)}") if r else a for a, r in zip(argv, redirect)]
-        lines.append(" ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv))
-    with common.atomic_path(os.path.join(it_dir, "replay.sh")) as tmp:
-        with open(tmp, "w") as f:
-            f.write("\n".join(lines) + "\n")
-
-
-@torch.inference_mode()
-def greedy_completions(model, tokenizer, held_out, reward_fns, max_new_tokens):
-    """Greedy completions and rewards of the held-out prompts: (texts, completions, rewards, lengths)."""
-    device = next(model.parameters()).device
-    texts, token_lists = sample.render_prompts(held_out, tokenizer, "held-out prompts", None)
-    prompt_ids, prompt_mask = sample.left_pad(token_lists, tokenizer.pad_token_id)
-    ids, mask, _, _ = sample.sample_completions(
-        model, prompt_ids.to(device), prompt_mask.to(device), max_new_tokens, 0.0,
-        common.eos_token_ids(tokenizer, model), tokenizer.pad_token_id, generator=None)
-    ids, mask = ids.cpu(), mask.cpu()
-    completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(held_out))]
-    rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b]} for b, record in enumerate(held_out)]
-    batch = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
-    rewards, _, _ = score.score(batch, rows, reward_fns, [1.0] * len(reward_fns))
-    return texts, completions, rewards, mask.sum(-1).float()
-
-
-def evaluate(models, held_out, reward_fns, cfg, run_dir, step, reference):
-    """The policy and the reference side by side on the held-out prompts (greedy); writes
-    eval/iter_XXXX.jsonl and returns eval/ metrics. The reference's answers never change, so they
-    are computed once per process and kept in `reference`."""
-    texts, completions, rewards, lengths = greedy_completions(models["sampler"], models["tokenizer"], held_out,
-                                                              reward_fns, cfg.max_new_tokens)
-    if not reference:
-        if models["ref"] is None and step == 0:               # β = 0 keeps no reference, but at 0 the policy is it
-            reference.update(completions=completions, rewards=rewards, lengths=lengths)
-        else:
-            ref = models["ref"] or common.load_model(models["base"], next(models["sampler"].parameters()).device,
-                                                     cfg.trust_remote_code)
-            _, c, r, n = greedy_completions(ref, models["tokenizer"], held_out, reward_fns, cfg.max_new_tokens)
-            reference.update(completions=c, rewards=r, lengths=n)
-    rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b], "reward": rewards[b].item(),
-             "ref_completion": reference["completions"][b], "ref_reward": reference["rewards"][b].item()}
-            for b, record in enumerate(held_out)]
-    os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
-    common.write_jsonl(os.path.join(run_dir, "eval", f"iter_{step:04d}.jsonl"), rows)
-    return {"eval/reward_mean": rewards.mean().item(), "eval/ref_reward_mean": reference["rewards"].mean().item(),
-            "eval/completion_len": lengths.mean().item(), "eval/ref_completion_len": reference["lengths"].mean().item(),
-            "eval/same_as_ref": sum(c == r for c, r in zip(completions, reference["completions"])) / len(rows),
-            "eval/num_prompts": len(rows)}
-
-
-def save_policy(models, optimizer, losses, uargs, run_dir, iterations_done, bad_steps, saver, buffers):
-    """policy/: what update.py would write, and train_state.json, the resume point. Written by
-    `saver` in the background: the next iterations run while the 1.6 GB of the default model go to
-    disk, and policy/ is replaced only once they are all there."""
-    update.save_update(models["policy"], models["tokenizer"], optimizer, losses, uargs, os.path.join(run_dir, "policy"),
-                       extra_files={"train_state.json": lambda p: common.write_json(
-                           p, {"iteration": iterations_done, "bad_steps": bad_steps})}, writer=saver, buffers=buffers)
-
-
-def restore(run_dir):
-    """(iterations in the last save, bad steps so far) of run_dir, repairing what a kill may have left
-    and removing the iterations after the save, which the resumed run recomputes."""
-    policy_dir = os.path.join(run_dir, "policy")
-    if not os.path.isdir(policy_dir) and os.path.isdir(policy_dir + ".old"):
-        os.rename(policy_dir + ".old", policy_dir)            # killed inside common.replace_dir
-    for stale in glob.glob(os.path.join(run_dir, "*.tmp*")) + glob.glob(os.path.join(run_dir, "checkpoints", "*.tmp*")):
-        shutil.rmtree(stale, ignore_errors=True)              # half-written copies of a killed run
-    state_file = os.path.join(policy_dir, "train_state.json")
-    state = common.read_json(state_file) if os.path.isfile(state_file) else {"iteration": 0, "bad_steps": 0}
-    for it_dir in glob.glob(os.path.join(run_dir, "iter_[0-9][0-9][0-9][0-9]")):
-        if int(it_dir[-4:]) >= state["iteration"]:
-            shutil.rmtree(it_dir)
-    return state["iteration"], state["bad_steps"]
-
-
-def keep_checkpoint(run_dir, i):
-    """checkpoints/iter_XXXX: policy/ (the policy about to sample iteration i) as hard links, which
-    cost no space or time and survive policy/ being replaced; a copy where links are not possible."""
-    keep = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
-    shutil.rmtree(keep + ".tmp", ignore_errors=True)
-
-    def link(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(os.path.join(run_dir, "policy"), keep + ".tmp", copy_function=link)
-    common.replace_dir(keep + ".tmp", keep)
-
-
-def report(writer, bar, it_dir, i, metrics, batch, evaluation, G):
-    """metrics.json (written last: the iteration is complete), TensorBoard, and the progress line."""
-    common.write_json(os.path.join(it_dir, "metrics.json"), metrics)
-    log(writer, metrics, i)
-    shown = [f"**reward {r:.3f}** · {s['prompt'][-60:]!r} → {s['completion']!r}"
-             for s, r in list(zip(batch["samples"], batch["rewards"].tolist()))[::G][:4]]
-    writer.add_text("samples", "\n\n".join(shown), i)
-    kl = metrics["losses/kl"] or 0.0
-    bar.set_postfix(reward=f"{metrics['charts/reward_mean']:.3f}", kl=f"{kl:.4f}")
-    tqdm.write(f"iter {i:4d}  reward {metrics['charts/reward_mean']:.3f}  frac_zero_std "
-               f"{metrics['charts/frac_zero_std']:.2f}  kl {kl:.4f}  len {metrics['charts/completion_len']:.1f}  "
-               f"{metrics['perf/iteration_s']:.1f}s" +
-               (f"  held-out {evaluation['eval/reward_mean']:.3f}" if evaluation else ""))
-
-
-def log(writer, metrics, step):
-    for k, v in metrics.items():
-        if "/" in k and isinstance(v, (int, float)):
-            writer.add_scalar(k, v, step)
-
-
 def load_models(cfg, run_dir, done):
     """Policy (from the last save when resuming), tokenizer and, when β ≠ 0, the frozen reference.
 
@@ -534,7 +426,7 @@ def main(argv=None):
     common.barrier()                                          # every rank has checked run_dir before it is created
     if args.check:
         return check(cfg)
-    done, bad_steps = common.from_main(restore(run_dir) if args.resume and main else (0, 0))
+    done, bad_steps = common.from_main(runfolder.restore(run_dir) if args.resume and main else (0, 0))
     if done > cfg.iterations:
         raise common.StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
     if cfg.beta == 0:
@@ -556,27 +448,27 @@ def main(argv=None):
                disable=None if main else True)
     for i in bar:
         t0 = time.perf_counter()
-        evaluation = {}
+        held_out_metrics = {}
         if main and cfg.eval_every and i % cfg.eval_every == 0:
-            evaluation = evaluate(models, held_out, reward_fns, cfg, run_dir, i, reference)
+            held_out_metrics = evaluation.evaluate(models, held_out, reward_fns, cfg, run_dir, i, reference)
         # The path the stage files record as --model: where the policy that samples iteration i lives.
         models["path"] = models["base"] if i == 0 else policy_dir
         if i > 0 and saved_at == i and cfg.save_every and i % cfg.save_every == 0:
             models["path"] = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
             if main:
                 saver.wait()                                  # policy/ must be complete before it is linked
-                keep_checkpoint(run_dir, i)
+                runfolder.keep_checkpoint(run_dir, i)
         it_dir, metrics, batch, losses, uargs, commands, spread = run_iteration(
             i, cfg, run_dir, models, optimizer, train, reward_fns)
         if main and models["path"] != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept: replayable
-            write_replay(it_dir, i, commands)
+            runfolder.write_replay(it_dir, i, commands)
         if main and i == 0:
             for line in diagnostics.spread_report(spread, cfg.group_size):
                 tqdm.write(line)
         flags = diagnostics.collapse_flags(
             {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("diversity/")},
             previous and {k.split("/")[1]: v for k, v in previous.items() if k.startswith("diversity/")})
-        metrics.update({f"diversity/{k}": v for k, v in flags.items()}, **evaluation)
+        metrics.update({f"diversity/{k}": v for k, v in flags.items()}, **held_out_metrics)
         if flags["collapse"]:
             common.warn(f"WARNING: iteration {i}: diversity jumped ({', '.join(k for k, v in flags.items() if v and k != 'collapse')}): "
                         f"the policy may be collapsing onto one pattern; read iter_{i:04d}/samples.jsonl")
@@ -589,18 +481,18 @@ def main(argv=None):
                                     f"good save ({saved_at} iterations)")
         t = time.perf_counter()
         if (cfg.save_every and (i + 1) % cfg.save_every == 0) or i + 1 == cfg.iterations:
-            save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps, saver, buffers)
+            runfolder.save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps, saver, buffers)
             saved_at = i + 1
         metrics["perf/checkpoint_s"] = time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0
         if main:
-            report(writer, bar, it_dir, i, metrics, batch, evaluation, cfg.group_size)
+            runfolder.report(writer, bar, it_dir, i, metrics, batch, held_out_metrics, cfg.group_size)
         previous = metrics
 
     saver.wait()
     if main and cfg.eval_every:
-        final = evaluate(models, held_out, reward_fns, cfg, run_dir, cfg.iterations, reference)
-        log(writer, final, cfg.iterations)
+        final = evaluation.evaluate(models, held_out, reward_fns, cfg, run_dir, cfg.iterations, reference)
+        runfolder.log(writer, final, cfg.iterations)
         print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean']:.3f}, "
               f"reference {final['eval/ref_reward_mean']:.3f} ({final['eval/num_prompts']} prompts, greedy)")
     if main:

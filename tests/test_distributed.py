@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, cli, write_jsonl
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import common
 
