@@ -19,13 +19,15 @@ import common
 import update
 
 
-def save_policy(models, optimizer, losses, uargs, run_dir, iterations_done, bad_steps, saver, buffers):
+def save_policy(models, optimizer, losses, uargs, run_dir, iterations_done, bad_steps, saver, buffers, keep=False):
     """policy/: what update.py would write, and train_state.json, the resume point. Written by
     `saver` in the background: the next iterations run while the 1.6 GB of the default model go to
-    disk, and policy/ is replaced only once they are all there."""
+    disk, and policy/ is replaced only once they are all there. With `keep`, the same background
+    job then links it into checkpoints/ (the policy that samples the next iteration, for replay)."""
     update.save_update(models["policy"], models["tokenizer"], optimizer, losses, uargs, os.path.join(run_dir, "policy"),
                        extra_files={"train_state.json": lambda p: common.write_json(
-                           p, {"iteration": iterations_done, "bad_steps": bad_steps})}, writer=saver, buffers=buffers)
+                           p, {"iteration": iterations_done, "bad_steps": bad_steps})}, writer=saver, buffers=buffers,
+                       then=(lambda: keep_checkpoint(run_dir, iterations_done)) if keep else None)
 
 
 def restore(run_dir):

@@ -455,9 +455,8 @@ def main(argv=None):
         models["path"] = models["base"] if i == 0 else policy_dir
         if i > 0 and saved_at == i and cfg.save_every and i % cfg.save_every == 0:
             models["path"] = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
-            if main:
-                saver.wait()                                  # policy/ must be complete before it is linked
-                runfolder.keep_checkpoint(run_dir, i)
+            if main and i == done:                            # resumed from this save: link it now (else the
+                runfolder.keep_checkpoint(run_dir, i)         # background save does, once policy/ is written)
         it_dir, metrics, batch, losses, uargs, commands, spread = run_iteration(
             i, cfg, run_dir, models, optimizer, train, reward_fns)
         if main and models["path"] != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept: replayable
@@ -481,7 +480,8 @@ def main(argv=None):
                                     f"good save ({saved_at} iterations)")
         t = time.perf_counter()
         if (cfg.save_every and (i + 1) % cfg.save_every == 0) or i + 1 == cfg.iterations:
-            runfolder.save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps, saver, buffers)
+            runfolder.save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps, saver, buffers,
+                                  keep=bool(cfg.save_every) and (i + 1) % cfg.save_every == 0 and i + 1 < cfg.iterations)
             saved_at = i + 1
         metrics["perf/checkpoint_s"] = time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0

@@ -299,7 +299,8 @@ def load_optimizer_state(policy, optimizer, path):
         optimizer.state[p] = {"step": state["step"].float(), **moments}
 
 
-def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None, writer=None, buffers=None):
+def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None, writer=None, buffers=None,
+                then=None):
     """Checkpoint, optimizer state and metrics.json, written into `out_dir` as one unit.
 
     With a common.BackgroundWriter, the weights and AdamW's state are first copied into `buffers`
@@ -320,6 +321,8 @@ def save_update(policy, tokenizer, optimizer, metrics, args, out_dir, extra_file
             "metrics.json": lambda path: common.write_json(path, metrics),
             **(extra_files or {}),
         })
+        if then is not None:                              # e.g. train.py keeping the save for replay
+            then()
 
     if writer is None:
         write()

@@ -47,7 +47,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct, converted once)")
     p.add_argument("--floor-reps", type=int, default=6, help="measured repetitions of the floor (default 6)")
-    p.add_argument("--warmup", type=int, default=1, help="iterations not measured (default 1)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="iterations not measured (default 2: the first two allocate AdamW's state and buffers)")
     p.add_argument("--save-every", type=int, default=10, help="train.py's --save-every (default 10, its default)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     return p.parse_args()
