@@ -120,7 +120,6 @@ def grad_sync(model, enabled):
             model.set_requires_gradient_sync(True)
 
 
-
 def init_distributed(device_name="auto"):
     """The device of this process; under torchrun (WORLD_SIZE > 1) it first joins the process group,
     NCCL when the processes have GPUs and gloo when they run on CPUs, each rank on its LOCAL_RANK GPU."""
@@ -214,6 +213,7 @@ def distribute(model, fsdp=False):
         fully_shard(layer)
     fully_shard(model)
     return model
+
 
 # ----------------------------------------------------------------------------------------
 # Files between stages

@@ -34,8 +34,7 @@ def restore(run_dir):
     """(iterations in the last save, bad steps so far) of run_dir, repairing what a kill may have left
     and removing the iterations after the save, which the resumed run recomputes."""
     policy_dir = os.path.join(run_dir, "policy")
-    if not os.path.isdir(policy_dir) and os.path.isdir(policy_dir + ".old"):
-        os.rename(policy_dir + ".old", policy_dir)            # killed inside common.replace_dir
+    common.recover_dir(policy_dir)                            # killed inside common.replace_dir
     for stale in glob.glob(os.path.join(run_dir, "*.tmp*")) + glob.glob(os.path.join(run_dir, "checkpoints", "*.tmp*")):
         shutil.rmtree(stale, ignore_errors=True)              # half-written copies of a killed run
     state_file = os.path.join(policy_dir, "train_state.json")
@@ -46,10 +45,14 @@ def restore(run_dir):
     return state["iteration"], state["bad_steps"]
 
 
+def checkpoint_dir(run_dir, i):
+    return os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
+
+
 def keep_checkpoint(run_dir, i):
-    """checkpoints/iter_XXXX: policy/ (the policy about to sample iteration i) as hard links, which
+    """checkpoint_dir(run_dir, i): policy/ (the policy about to sample iteration i) as hard links, which
     cost no space or time and survive policy/ being replaced; a copy where links are not possible."""
-    keep = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
+    keep = checkpoint_dir(run_dir, i)
     shutil.rmtree(keep + ".tmp", ignore_errors=True)
 
     def link(src, dst):

@@ -454,7 +454,7 @@ def main(argv=None):
         # The path the stage files record as --model: where the policy that samples iteration i lives.
         models["path"] = models["base"] if i == 0 else policy_dir
         if i > 0 and saved_at == i and cfg.save_every and i % cfg.save_every == 0:
-            models["path"] = os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
+            models["path"] = runfolder.checkpoint_dir(run_dir, i)
             if main and i == done:                            # resumed from this save: link it now (else the
                 runfolder.keep_checkpoint(run_dir, i)         # background save does, once policy/ is written)
         it_dir, metrics, batch, losses, uargs, commands, spread = run_iteration(
