@@ -37,6 +37,7 @@ def run_cli(main):
         print(f"{prog}: error: {e}" if world == 1 else f"{prog}: error (rank {rank} of {world}): {e}", file=sys.stderr)
         sys.exit(2)      # under torchrun, the launcher then stops the other ranks
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()      # leave together: gloo can abort a rank whose peer is still busy
         torch.distributed.destroy_process_group()
 
 
