@@ -12,13 +12,16 @@ P prompt length, T completion length, V vocabulary size.
 """
 
 import argparse
+import errno
 import json
+import mmap
 import os
 import shutil
 import sys
 import threading
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -279,11 +282,72 @@ def write_safetensors(path, tensors, metadata=None):
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)                                              # data starts 8-aligned
+    pieces = [len(blob).to_bytes(8, "little") + blob, *chunks]
+    if offset >= DIRECT_WRITE_MIN_BYTES and write_direct(path, pieces):
+        return
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for chunk in chunks:
-            f.write(memoryview(chunk))
+        for piece in pieces:
+            f.write(memoryview(piece))
+
+
+DIRECT_WRITE_MIN_BYTES = 64 << 20
+_DIRECT_BLOCK = 32 << 20                                      # a multiple of every block size O_DIRECT asks for
+
+
+def write_direct(path, pieces):
+    """Write the bytes of `pieces` one after another to `path` with O_DIRECT, through a page-aligned
+    bounce buffer; False, with nothing written, where the file system refuses O_DIRECT (tmpfs).
+
+    A checkpoint written through the page cache costs the kernel a copy and a long writeback that
+    slows the training threads beside it, and on the 2-core VM of the README's benchmark the
+    buffered write ran at 110 MB/s against 806 MB/s direct (`dd ... conv=fsync` vs `oflag=direct`).
+    """
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    buffer = mmap.mmap(-1, _DIRECT_BLOCK)                     # page-aligned, as O_DIRECT needs
+    block = np.frombuffer(buffer, dtype=np.uint8)
+    filled = written = 0
+
+    def flush(n):                                             # n: a multiple of 4096
+        view = memoryview(buffer)[:n]
+        try:
+            done = 0
+            while done < n:
+                done += os.write(fd, view[done:])
+        finally:
+            view.release()
+
+    try:
+        for piece in pieces:
+            piece = np.frombuffer(piece, dtype=np.uint8)
+            pos = 0
+            while pos < len(piece):
+                n = min(_DIRECT_BLOCK - filled, len(piece) - pos)
+                block[filled:filled + n] = piece[pos:pos + n]     # numpy copies without holding the GIL
+                filled, pos = filled + n, pos + n
+                if filled == _DIRECT_BLOCK:
+                    flush(_DIRECT_BLOCK)
+                    written, filled = written + _DIRECT_BLOCK, 0
+        if filled:
+            padded = -(-filled // 4096) * 4096
+            block[filled:padded] = 0
+            flush(padded)
+        os.ftruncate(fd, written + filled)                    # drop the last block's padding
+    except OSError as e:
+        if e.errno == errno.EINVAL and written == 0:          # O_DIRECT accepted at open, refused at write
+            return False
+        raise
+    finally:
+        os.close(fd)
+        del block
+        buffer.close()
+    return True
 
 
 @contextmanager

@@ -30,6 +30,56 @@ def test_writer_round_trips_through_the_safetensors_library(tmp_path):
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
 
 
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 8192 - 17, 8192, 8193, 3 * 8192 + 5])
+def test_direct_write_gives_the_bytes_of_a_buffered_write(tmp_path, monkeypatch, nbytes):
+    """Large files go through O_DIRECT in blocks (here 8 KiB, so that every boundary is crossed: the
+    header, a block, the last block's padding); the file must be byte for byte the buffered one."""
+    tensors = {"head": torch.arange(3, dtype=torch.int16), "body": torch.randint(0, 256, (nbytes,), dtype=torch.uint8),
+               "tail": torch.randn(2, 3)}
+    monkeypatch.setattr(common, "DIRECT_WRITE_MIN_BYTES", 1 << 62)
+    common.write_safetensors(str(tmp_path / "buffered"), tensors, {"k": "v"})
+    monkeypatch.setattr(common, "DIRECT_WRITE_MIN_BYTES", 0)
+    monkeypatch.setattr(common, "_DIRECT_BLOCK", 8192)
+    used = []
+    real = common.write_direct
+    monkeypatch.setattr(common, "write_direct", lambda path, pieces: used.append(real(path, pieces)) or used[-1])
+    common.write_safetensors(str(tmp_path / "direct"), tensors, {"k": "v"})
+    assert used, "the direct path was not taken"
+    assert (tmp_path / "direct").read_bytes() == (tmp_path / "buffered").read_bytes()
+    back = load_file(str(tmp_path / "direct"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("refused_at", ["open", "write"])
+def test_a_file_system_without_o_direct_gets_a_buffered_write(tmp_path, monkeypatch, refused_at):
+    """tmpfs and some network file systems answer O_DIRECT with EINVAL, at open or at the first write."""
+    monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0o40000), raising=False)
+    real_open, real_write = os.open, os.write
+    direct_fds = set()
+
+    def fake_open(path, flags, *a):
+        if flags & os.O_DIRECT and refused_at == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *a)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def fake_write(fd, data):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "write", fake_write)
+    monkeypatch.setattr(common, "DIRECT_WRITE_MIN_BYTES", 0)
+    tensors = {"x": torch.randn(5000)}
+    assert common.write_direct(str(tmp_path / "probe"), [b"abc"]) is False
+    common.write_safetensors(str(tmp_path / "x.safetensors"), tensors)
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["x"], tensors["x"])
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_checkpoint_loads_to_the_same_weights(tmp_path, tied):
     tok = common.char_tokenizer()
