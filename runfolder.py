@@ -45,6 +45,12 @@ def restore(run_dir):
     return state["iteration"], state["bad_steps"]
 
 
+def is_save_point(n, save_every):
+    """Whether policy/ is saved after n iterations by the --save-every rhythm (the last iteration
+    saves as well); such a save, but for the last, is also kept as checkpoint_dir(run_dir, n)."""
+    return bool(save_every) and n % save_every == 0
+
+
 def checkpoint_dir(run_dir, i):
     return os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
 

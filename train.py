@@ -453,7 +453,7 @@ def main(argv=None):
             held_out_metrics = evaluation.evaluate(models, held_out, reward_fns, cfg, run_dir, i, reference)
         # The path the stage files record as --model: where the policy that samples iteration i lives.
         models["path"] = models["base"] if i == 0 else policy_dir
-        if i > 0 and saved_at == i and cfg.save_every and i % cfg.save_every == 0:
+        if i > 0 and saved_at == i and runfolder.is_save_point(i, cfg.save_every):
             models["path"] = runfolder.checkpoint_dir(run_dir, i)
             if main and i == done:                            # resumed from this save: link it now (else the
                 runfolder.keep_checkpoint(run_dir, i)         # background save does, once policy/ is written)
@@ -479,9 +479,9 @@ def main(argv=None):
                                     f"than --max-bad-steps {cfg.max_bad_steps}; stopped, {policy_dir} holds the last "
                                     f"good save ({saved_at} iterations)")
         t = time.perf_counter()
-        if (cfg.save_every and (i + 1) % cfg.save_every == 0) or i + 1 == cfg.iterations:
+        if runfolder.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
             runfolder.save_policy(models, optimizer, losses, uargs, run_dir, i + 1, bad_steps, saver, buffers,
-                                  keep=bool(cfg.save_every) and (i + 1) % cfg.save_every == 0 and i + 1 < cfg.iterations)
+                                  keep=runfolder.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations)
             saved_at = i + 1
         metrics["perf/checkpoint_s"] = time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0
