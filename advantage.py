@@ -6,28 +6,32 @@ other samples for the same prompt, and the scale is their spread (DeepSeekMath, 
     A_i = (r_i − mean(r_group)) / (std(r_group) + ε)        every token of o_i gets A_i
 
 Reads   --rewards FILE  rewards.safetensors (rewards [N] f32, group_ids [N] i64)
-Writes  --out FILE      advantages.safetensors (schema advantages/1)
+Writes  --out FILE      advantages.safetensors (schema advantages/1; FORMATS.md)
             advantages [N] f32   one value per completion
             group_ids [N] i64    copied through
             group_mean [B] f32, group_std [B] f32, zero_std [B] bool   diagnostics per group
                                  (per stratum, [B·S], with --length-strata S)
 
 Example:
-    python advantage.py --rewards it0/rewards.safetensors --out it0/advantages.safetensors --estimator grpo --eps 1e-4
+    python advantage.py --rewards it0/rewards.safetensors --out it0/advantages.safetensors \\
+        --estimator grpo --eps 1e-4
 
-Conventions (DESIGN.md):
+Conventions (FORMATS.md):
 - Groups are the contiguous runs of equal group_ids, all of one size G; rewards are viewed as
   [B, G] and normalised along G only, never over the batch.
 - std is Bessel-corrected (divides by G − 1, torch.std's default), so G = 1 is an error.
-- A group whose rewards are all equal carries no signal and gets exactly 0, decided explicitly:
-  "equal" means a spread max − min of at most 4 float32 ulps of max|r|, so float32 residue
-  (0.1 + 0.2 vs 0.3) does not turn into ±0.7 advantages, while rewards 1e6 and 1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
+- A group whose rewards are all equal carries no signal and gets exactly 0, decided explicitly
+  by diagnostics.all_equal_groups: a spread max − min of at most 4 float32 ulps of max|r|, so
+  float32 residue (0.1 + 0.2 vs 0.3) does not turn into ±0.7 advantages, while rewards 1e6 and
+  1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
 - Arithmetic is in float64; the file holds float32.
 
 Estimators (--estimator):
 - grpo:    (r − mean) / (std + ε)                     DeepSeekMath (Shao et al., 2024)
-- dr_grpo: r − mean, no division by std                Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training")
-- rloo:    r_i − mean of the other G − 1 rewards       RLOO (Ahmadian et al., 2024) = G/(G−1)·(r − mean)
+- dr_grpo: r − mean, no division by std                Dr. GRPO (Liu et al., 2025, "Understanding
+                                                        R1-Zero-Like Training")
+- rloo:    r_i − mean of the other G − 1 rewards       RLOO (Ahmadian et al., 2024);
+                                                        equals G/(G−1)·(r − mean)
 - batch:   (r − mean(all N)) / (std(all N) + ε)        ablation only: ignores the groups, which the
                                                         source article calls the most serious error
 """
@@ -38,13 +42,13 @@ import math
 
 import torch
 
-import common
+from grpo import files
+from grpo.cli import ArgumentParser, StageError, run_cli
+from grpo.diagnostics import all_equal_groups
 
-ZERO_SPREAD_RTOL = 4 * torch.finfo(torch.float32).eps  # 4 float32 ulps: rewards this close are one value
 
-
-def parse_args(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser():
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rewards", required=True, help="rewards.safetensors from score.py")
     p.add_argument("--out", required=True, help="output advantages.safetensors")
     p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo", "batch"],
@@ -53,33 +57,31 @@ def parse_args(argv=None):
                         "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)\n"
                         "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups; the\n"
                         "  source article calls this the most serious error a GRPO implementation can make")
-    p.add_argument("--eps", type=float, default=1e-4, help="ε in (std + ε), grpo and batch (default 1e-4)")
+    p.add_argument("--eps", type=float, default=1e-4, help="ε in std + ε, grpo and batch (default 1e-4)")
     p.add_argument("--length-strata", type=int, default=1, metavar="S",
-                   help="S: split each prompt's G completions by length into S strata of G/S (shortest first)\n"
-                        "and compute the estimator within each, so that a completion competes only with\n"
-                        "others of similar length (the source article's remedy for length bias; needs\n"
-                        "'lengths' in the rewards file; default 1: the whole group)")
-    args = p.parse_args(argv)
+                   help="S: split each prompt's G completions by length into S strata of G/S\n"
+                        "(shortest first) and compute the estimator within each, so that a completion\n"
+                        "competes only with others of similar length (the source article's remedy for\n"
+                        "length bias; needs 'lengths' in the rewards file; default 1: the whole group)")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     if args.length_strata < 1:
-        raise common.StageError(f"--length-strata must be at least 1, got {args.length_strata}")
+        raise StageError(f"--length-strata must be at least 1, got {args.length_strata}")
     if not (math.isfinite(args.eps) and args.eps >= 0):
-        raise common.StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
+        raise StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
     return args
 
 
 def group_rewards(rewards, group_ids, path="group_ids"):
     """View rewards [N] as [B, G], one row per prompt's group."""
-    B, G = common.check_groups(group_ids, path)
+    B, G = files.check_groups(group_ids, path)
     if G < 2:
-        raise common.StageError(f"{path}: every group has G = 1 completion; a group-relative advantage needs "
-                                f"G ≥ 2 (sample with --group-size 2 or more)")
+        raise StageError(f"{path}: every group has G = 1 completion; a group-relative advantage needs "
+                         f"G ≥ 2 (sample with --group-size 2 or more)")
     return rewards.double().reshape(B, G)                                   # [B, G]
-
-
-def zero_spread(r):
-    """True for groups whose rewards are all equal up to float rounding. r [B, G] -> [B]"""
-    spread = r.max(-1).values - r.min(-1).values                           # [B]
-    return spread <= ZERO_SPREAD_RTOL * r.abs().max(-1).values
 
 
 def grpo_advantages(rewards, group_ids, eps=1e-4):
@@ -87,14 +89,14 @@ def grpo_advantages(rewards, group_ids, eps=1e-4):
     r = group_rewards(rewards, group_ids)                                   # [B, G]
     mean = r.mean(-1, keepdim=True)                                         # [B, 1]
     std = r.std(-1, keepdim=True)                                           # [B, 1] Bessel-corrected
-    A = torch.where(zero_spread(r)[:, None], 0.0, (r - mean) / (std + eps))  # [B, G]
+    A = torch.where(all_equal_groups(r)[:, None], 0.0, (r - mean) / (std + eps))   # [B, G]
     return A.flatten().float()
 
 
 def dr_grpo_advantages(rewards, group_ids):
     """A_i = r_i − mean (Dr. GRPO: no std division, so easy and hard prompts weigh alike). [N] -> [N]"""
     r = group_rewards(rewards, group_ids)                                   # [B, G]
-    A = torch.where(zero_spread(r)[:, None], 0.0, r - r.mean(-1, keepdim=True))  # [B, G]
+    A = torch.where(all_equal_groups(r)[:, None], 0.0, r - r.mean(-1, keepdim=True))   # [B, G]
     return A.flatten().float()
 
 
@@ -103,7 +105,7 @@ def rloo_advantages(rewards, group_ids):
     r = group_rewards(rewards, group_ids)                                   # [B, G]
     G = r.shape[1]
     baseline = (r.sum(-1, keepdim=True) - r) / (G - 1)                      # [B, G]
-    A = torch.where(zero_spread(r)[:, None], 0.0, r - baseline)             # [B, G]
+    A = torch.where(all_equal_groups(r)[:, None], 0.0, r - baseline)        # [B, G]
     return A.flatten().float()
 
 
@@ -111,7 +113,7 @@ def batch_advantages(rewards, eps=1e-4):
     """A_i = (r_i − mean(r)) / (std(r) + ε) over all N rows. An ablation: a prompt that is easy for
     every sample now pushes all of them up, and hard prompts push theirs down, whatever their merit."""
     r = rewards.double()                                                    # [N]
-    if zero_spread(r[None])[0]:
+    if all_equal_groups(r[None])[0]:
         return torch.zeros_like(rewards)
     return ((r - r.mean()) / (r.std() + eps)).float()
 
@@ -119,7 +121,7 @@ def batch_advantages(rewards, eps=1e-4):
 def group_stats(rewards, group_ids):
     """Per-group diagnostics: group_mean [B], group_std [B] (Bessel), zero_std [B] bool."""
     r = group_rewards(rewards, group_ids)                                   # [B, G]
-    return {"group_mean": r.mean(-1).float(), "group_std": r.std(-1).float(), "zero_std": zero_spread(r)}
+    return {"group_mean": r.mean(-1).float(), "group_std": r.std(-1).float(), "zero_std": all_equal_groups(r)}
 
 
 def length_strata(group_ids, lengths, strata, path="rewards"):
@@ -128,23 +130,24 @@ def length_strata(group_ids, lengths, strata, path="rewards"):
     Returns (order [N], strata_ids [N]): rows `order` of the batch, in which each stratum is
     contiguous, and the stratum id of each of them (prompt b's strata are b·S .. b·S + S − 1).
     """
-    B, G = common.check_groups(group_ids, path)
+    B, G = files.check_groups(group_ids, path)
     if G % strata or G // strata < 2:
-        raise common.StageError(f"--length-strata {strata}: each group's G = {G} rows must split into strata of "
-                                f"equal size of at least 2 (S must divide G and be at most G/2)")
+        raise StageError(f"--length-strata {strata}: each group's G = {G} rows must split into strata of "
+                         f"equal size of at least 2 (S must divide G and be at most G/2)")
     by_length = torch.argsort(lengths.reshape(B, G), dim=-1, stable=True)           # [B, G] shortest first
     order = (by_length + torch.arange(B)[:, None] * G).flatten()                    # [N]
     strata_ids = torch.arange(B * strata).repeat_interleave(G // strata)             # [N]
     return order, strata_ids
 
 
-def compute(rewards, group_ids, args, lengths=None):
+def compute_advantages(rewards, group_ids, args, lengths=None):
     """The advantages file's tensors for args.estimator (within length strata with --length-strata)."""
-    if getattr(args, "length_strata", 1) > 1:
+    if args.length_strata > 1:
         order, strata_ids = length_strata(group_ids, lengths, args.length_strata)
-        inner = compute(rewards[order], strata_ids, argparse.Namespace(**{**vars(args), "length_strata": 1}))
+        whole_groups = argparse.Namespace(**{**vars(args), "length_strata": 1})
+        inner = compute_advantages(rewards[order], strata_ids, whole_groups)
         A = torch.empty_like(inner["advantages"])
-        A[order] = inner["advantages"]                                              # back to the file's row order
+        A[order] = inner["advantages"]                                  # back to the file's row order
         return {**inner, "advantages": A, "group_ids": group_ids}
     if args.estimator == "grpo":
         A = grpo_advantages(rewards, group_ids, args.eps)
@@ -154,27 +157,28 @@ def compute(rewards, group_ids, args, lengths=None):
         A = rloo_advantages(rewards, group_ids)
     elif args.estimator == "batch":
         A = batch_advantages(rewards, args.eps)
-        if common.check_groups(group_ids, "group_ids")[1] < 2:              # no groups to describe
+        if files.check_groups(group_ids, "group_ids")[1] < 2:               # no groups to describe
             return {"advantages": A, "group_ids": group_ids}
     return {"advantages": A, "group_ids": group_ids, **group_stats(rewards, group_ids)}
 
 
 def main(argv=None):
     args = parse_args(argv)
-    data, _, _ = common.load_tensors(args.rewards, common.REWARDS)
+    data, _, _ = files.load_tensors(args.rewards, files.REWARDS)
     if args.estimator == "batch":                                       # groups checked with the file's name;
-        common.check_groups(data["group_ids"], args.rewards)              # G = 1 is allowed: no group is used
+        files.check_groups(data["group_ids"], args.rewards)              # G = 1 is allowed: no group is used
     else:
         group_rewards(data["rewards"], data["group_ids"], args.rewards)
     if args.length_strata > 1 and "lengths" not in data:
-        raise common.StageError(f"{args.rewards}: --length-strata needs the 'lengths' key, which score.py writes")
-    tensors = compute(data["rewards"], data["group_ids"], args, data.get("lengths"))
-    common.save_tensors(args.out, tensors, common.ADVANTAGES[0], vars(args))
-    zero = tensors.get("zero_std", torch.zeros(0, dtype=torch.bool))
+        raise StageError(f"{args.rewards}: --length-strata needs the 'lengths' key, which score.py writes")
+    tensors = compute_advantages(data["rewards"], data["group_ids"], args, data.get("lengths"))
+    files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
+    zero = tensors.get("zero_std", torch.zeros(0, dtype=torch.bool))                    # [B]
+    frac = zero.float().mean().item() if zero.numel() else 0
     print(f"{args.estimator} advantages for {data['rewards'].numel()} completions in {zero.numel()} groups: "
-          f"frac_zero_std {zero.float().mean().item() if zero.numel() else 0:.3f} ({int(zero.sum())} groups with "
+          f"frac_zero_std {frac:.3f} ({int(zero.sum())} groups with "
           f"all-equal rewards{' get 0' if args.estimator != 'batch' else ''}); wrote {args.out}")
 
 
 if __name__ == "__main__":
-    common.run_cli(main)
+    run_cli(main)

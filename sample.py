@@ -4,23 +4,23 @@ Reads   --prompts FILE   JSON lines; each record has "prompt" (a string used as 
                          "messages" (a chat, rendered with the tokenizer's chat template and the
                          generation prompt). Other fields travel to samples.jsonl untouched.
                          The B records starting at --start are used, in file order.
-Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows)
+Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows; FORMATS.md)
             prompt_ids [N, P] int64 (left-padded)    prompt_mask [N, P] bool
             completion_ids [N, T] int64 (right-padded)  completion_mask [N, T] bool
-            group_ids [N] int64    old_logprobs [N, T] f32    ref_logprobs [N, T] f32 (with --ref-model)
-            truncated [N] bool
+            group_ids [N] int64    old_logprobs [N, T] f32
+            ref_logprobs [N, T] f32 (with --ref-model)    truncated [N] bool
         --out DIR/samples.jsonl  one object per row: group, prompt, completion, and the record's fields
 
 Example:
     python sample.py --model ckpt/ --prompts prompts.jsonl --out it0/ --group-size 8 \\
         --num-prompts 4 --max-new-tokens 64 --temperature 1.0 --seed 0 --ref-model ckpt/
 
-Choices where the paper and DESIGN.md are silent:
+Choices where the paper and FORMATS.md are silent:
 - Plain temperature sampling, no top-k or top-p: the ratio ρ_t needs the log-prob of the
   distribution a token was actually drawn from, and that is log_softmax(logits / τ).
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
   distribution each token came from; log π_old is taken from the very logits it samples from
-  (no second forward pass), through common.logprobs_from_logits, the function update.py uses.
+  (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
 - completion_mask is true up to and including the first EOS (any of the tokenizer's and the
   model's EOS ids) and false after it; it never looks at the pad id, which a model may sample as
   an ordinary token. Ids after the first EOS are set to the pad id; T is trimmed to the longest
@@ -30,7 +30,7 @@ Choices where the paper and DESIGN.md are silent:
 - All rows are sampled from one seeded generator in --micro-batch-size chunks, so a sample is
   reproducible for a given seed and micro-batch size.
 - Under torchrun, rank r samples a contiguous share of whole groups from a generator seeded with
-  common.rank_seed(seed, r) (rank 0 keeps the seed), and rank 0 writes every row in group order.
+  distributed.rank_seed(seed, r) (rank 0 keeps the seed), and rank 0 writes every row in group order.
 """
 
 import argparse
@@ -40,97 +40,69 @@ import time
 import torch
 from tqdm import tqdm
 
-import common
+from grpo import distributed, files, modeling
+from grpo.cli import ArgumentParser, StageError, run_cli
 
 
-def parse_args(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="policy π_old (π_θ before this iteration's update): HF checkpoint folder")
-    p.add_argument("--prompts", required=True, help="JSON-lines prompt file ('prompt' or 'messages' per record)")
+def build_parser():
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True,
+                   help="policy π_old (π_θ before this iteration's update): HF checkpoint folder")
+    p.add_argument("--prompts", required=True,
+                   help="JSON-lines prompt file ('prompt' or 'messages' per record)")
     p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
     p.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
-    p.add_argument("--num-prompts", type=int, default=None, help="B: prompts to use (default: every record from --start)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="B: prompts to use (default: every record from --start)")
     p.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit in tokens (default 128)")
-    p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling temperature; log-probs use the same τ (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="L_max: completion length limit in tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="τ: sampling temperature; log-probs use the same τ (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--ref-model", default=None, help="π_ref: frozen reference model folder; writes ref_logprobs for the β·KL term")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N rows at once)")
+    p.add_argument("--ref-model", default=None,
+                   help="π_ref: frozen reference model folder; writes ref_logprobs for the β·KL term")
+    p.add_argument("--micro-batch-size", type=int, default=0,
+                   help="rows per forward pass (default 0: all N rows at once)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="for benchmarks: EOS does not end a completion, so every one has L_max tokens\n"
                         "(vLLM's ignore_eos; the mask is then true everywhere)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the model folders run their own Python code (default off: it is code from the folder)")
-    args = p.parse_args(argv)
+                   help="let the model folders run their own Python code\n"
+                        "(default off: it is code from the folder)")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     if args.group_size < 1:
-        raise common.StageError(f"--group-size must be at least 1, got {args.group_size}")
+        raise StageError(f"--group-size must be at least 1, got {args.group_size}")
     if args.temperature <= 0:
-        raise common.StageError(f"--temperature must be > 0 (log-probs are taken at τ), got {args.temperature}")
+        raise StageError(f"--temperature must be > 0 (log-probs are taken at τ), got {args.temperature}")
     if args.max_new_tokens < 1:
-        raise common.StageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        raise StageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     return args
 
 
 def select_records(path, start, num_prompts):
-    records = common.read_jsonl(path)
+    records = files.read_jsonl(path)
     if not 0 <= start < len(records):
-        raise common.StageError(f"{path}: --start {start} is outside its {len(records)} records")
+        raise StageError(f"{path}: --start {start} is outside its {len(records)} records")
     end = len(records) if num_prompts is None else start + num_prompts
     if num_prompts is not None and (num_prompts < 1 or end > len(records)):
-        raise common.StageError(f"{path}: --num-prompts {num_prompts} from --start {start} needs {end} records, "
-                                f"the file has {len(records)}")
+        raise StageError(f"{path}: --num-prompts {num_prompts} from --start {start} needs {end} records, "
+                         f"the file has {len(records)}")
     return records[start:end]
-
-
-def render_prompts(records, tokenizer, path, max_len, first_index=0):
-    """Texts the model sees and their token ids, one per record."""
-    texts, ids = [], []
-    for i, record in enumerate(records, first_index):
-        where = f"{path}, record {i}"
-        if "messages" in record:
-            chat = record["messages"]
-            if not (isinstance(chat, list) and chat and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in chat)):
-                raise common.StageError(f"{where}: 'messages' must be a non-empty list of "
-                                        f'{{"role": str, "content": str}} objects')
-            if tokenizer.chat_template is None:
-                raise common.StageError(f"{where}: has 'messages' but the tokenizer has no chat template")
-            text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(record.get("prompt"), str):
-            text = record["prompt"]
-            tokens = tokenizer(text)["input_ids"]
-        else:
-            raise common.StageError(f"{where}: needs 'prompt' (a string) or 'messages' (a list of chat turns)")
-        if not tokens:
-            raise common.StageError(f"{where}: the prompt is empty")
-        if max_len is not None and len(tokens) > max_len:
-            raise common.StageError(f"{where}: the prompt has {len(tokens)} tokens; with --max-new-tokens "
-                                    f"it must fit the model's context, so at most {max_len}")
-        texts.append(text)
-        ids.append(tokens)
-    return texts, ids
-
-
-def left_pad(token_lists, pad_id):
-    P = max(len(t) for t in token_lists)
-    prompt_ids = torch.full((len(token_lists), P), pad_id, dtype=torch.long)         # [B, P]
-    prompt_mask = torch.zeros((len(token_lists), P), dtype=torch.bool)               # [B, P]
-    for i, t in enumerate(token_lists):
-        prompt_ids[i, P - len(t):] = torch.tensor(t, dtype=torch.long)
-        prompt_mask[i, P - len(t):] = True
-    return prompt_ids, prompt_mask
 
 
 @torch.inference_mode()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids, pad_id,
                        generator, progress=None):
-    """Draw one completion per row: token t ~ softmax(logits_t / τ), τ = 0 meaning greedy.
+    """Draw one completion per row: token t ~ softmax(logits_t / τ).
 
     prompt_ids/prompt_mask [n, P]. Returns completion_ids [n, T], completion_mask [n, T],
-    logprobs [n, T] (at τ; at 1 when greedy) and truncated [n], with T <= max_new_tokens.
+    logprobs [n, T] (at τ) and truncated [n], with T <= max_new_tokens.
     """
     from transformers import DynamicCache
 
@@ -139,7 +111,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     attention_mask = prompt_mask.long()                                               # [n, P]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                       # [n, P]
     cache = DynamicCache(config=model.config)
-    with common.autocast(prompt_ids.device):
+    with modeling.autocast(prompt_ids.device):
         out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
     next_position = position_ids[:, -1:] + 1                                          # [n, 1]
@@ -147,12 +119,9 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     tokens, masks, logprobs = [], [], []
     for _ in range(max_new_tokens):
         logits = out.logits[:, -1].float()                                            # [n, V]
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)                       # [n, V]
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)      # [n]
-        else:
-            token = logits.argmax(-1)                                                 # [n]
-        logprobs.append(common.logprobs_from_logits(logits, token, temperature or 1.0))
+        probs = torch.softmax(logits / temperature, dim=-1)                           # [n, V]
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)          # [n]
+        logprobs.append(modeling.logprobs_from_logits(logits, token, temperature))   # log π_old, [n]
         masks.append(~finished)
         tokens.append(torch.where(finished, pad_id, token))
         finished = finished | torch.isin(token, eos)
@@ -161,7 +130,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
         if finished.all():
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
-        with common.autocast(prompt_ids.device):
+        with modeling.autocast(prompt_ids.device):
             out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
                         past_key_values=cache, use_cache=True)
         next_position = next_position + 1
@@ -171,17 +140,27 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     return completion_ids, completion_mask, logprobs, ~finished
 
 
+@torch.inference_mode()
+def reference_logprobs(ref_model, tensors, temperature, micro_batch_size):
+    """log π_ref of every completion token, at the sampling temperature. [N, T]"""
+    out = []
+    for rows in distributed.row_slices(tensors["prompt_ids"].shape[0], micro_batch_size):
+        out.append(modeling.completion_logprobs(
+            ref_model, tensors["prompt_ids"][rows], tensors["prompt_mask"][rows],
+            tensors["completion_ids"][rows], tensors["completion_mask"][rows], temperature))
+    return torch.cat(out)
+
+
 def pad_right(tensors, value):
     """Stack [n_i, T_i] chunks into [sum n_i, max T_i], padding on the right."""
     T = max(t.shape[1] for t in tensors)
-    return torch.cat([common.pad_columns(t, T, value) for t in tensors])
+    return torch.cat([modeling.pad_columns(t, T, value) for t in tensors])
 
 
 def concat_rollouts(parts, pad_id):
     """Stack whole groups of several rollouts dicts: prompts re-padded on the left, completions on the
     right, group_ids renumbered 0..B−1 in order. Each part holds complete groups."""
     P = max(part["prompt_ids"].shape[1] for part in parts)
-    T = max(part["completion_ids"].shape[1] for part in parts)
     out, offset, groups = {}, 0, []
     for part in parts:
         _, first = torch.unique_consecutive(part["group_ids"], return_inverse=True)
@@ -190,35 +169,35 @@ def concat_rollouts(parts, pad_id):
     for key in parts[0]:
         value = pad_id if key.endswith("_ids") else 0                     # masks: False, log-probs: 0
         if key.startswith("prompt"):
-            pieces = [torch.nn.functional.pad(p[key], (P - p[key].shape[1], 0), value=value) for p in parts]
+            out[key] = torch.cat([torch.nn.functional.pad(p[key], (P - p[key].shape[1], 0), value=value)
+                                  for p in parts])
         elif parts[0][key].dim() == 2:
-            pieces = [common.pad_columns(p[key], T, value) for p in parts]
+            out[key] = pad_right([p[key] for p in parts], value)
         else:
-            pieces = [p[key] for p in parts]
-        out[key] = torch.cat(pieces)
+            out[key] = torch.cat([p[key] for p in parts])
     out["group_ids"] = torch.cat(groups)                                                    # [N]
     return out
 
 
 def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, prompts_path="prompts"):
-    """Sample G completions for each record; return (tensors for rollouts.safetensors, samples.jsonl rows)."""
+    """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows)."""
     device = next(policy.parameters()).device
     context = getattr(policy.config, "max_position_embeddings", None)
     max_len = context - args.max_new_tokens if context else None
-    texts, token_lists = render_prompts(records, tokenizer, prompts_path, max_len, first_index=args.start)
+    texts, token_lists = modeling.render_prompts(records, tokenizer, prompts_path, max_len, args.start)
     G = args.group_size
-    prompt_ids, prompt_mask = left_pad(token_lists, tokenizer.pad_token_id)            # [B, P]
+    prompt_ids, prompt_mask = modeling.left_pad(token_lists, tokenizer.pad_token_id)  # [B, P]
     prompt_ids = prompt_ids.repeat_interleave(G, dim=0).to(device)                    # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(G, dim=0).to(device)                  # [N, P]
     group_ids = torch.arange(len(records)).repeat_interleave(G)                       # [N]
     N = prompt_ids.shape[0]
-    eos_ids = [] if getattr(args, "ignore_eos", False) else common.eos_token_ids(tokenizer, policy)
+    eos_ids = [] if args.ignore_eos else modeling.eos_token_ids(tokenizer, policy)
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
     chunks = {"completion_ids": [], "completion_mask": [], "old_logprobs": [], "truncated": []}
-    with tqdm(total=None, desc="sample", unit="tok", leave=False, disable=None if common.is_main() else True) as bar:
-        for rows in common.row_slices(N, args.micro_batch_size):
+    with tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar:
+        for rows in distributed.row_slices(N, args.micro_batch_size):
             ids, mask, logp, truncated = sample_completions(
                 policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
                 eos_ids, tokenizer.pad_token_id, generator, progress=bar)
@@ -232,82 +211,77 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
         "truncated": torch.cat(chunks["truncated"]),                                     # [N]
     }
     if ref_model is not None:
-        tensors["ref_logprobs"] = reference_logprobs(ref_model, tensors, args.temperature, args.micro_batch_size)
+        tensors["ref_logprobs"] = reference_logprobs(ref_model, tensors, args.temperature,
+                                                     args.micro_batch_size)                    # [N, T]
 
     samples = []
     for row in range(N):
         b = row // G
         completion = tokenizer.decode(tensors["completion_ids"][row][tensors["completion_mask"][row]],
                                       skip_special_tokens=True)
-        samples.append({"group": b, "prompt": texts[b], "completion": completion,
-                        **{k: v for k, v in records[b].items() if k not in ("group", "prompt", "completion")}})
+        fields = {k: v for k, v in records[b].items() if k not in ("group", "prompt", "completion")}
+        samples.append({"group": b, "prompt": texts[b], "completion": completion, **fields})
     return tensors, samples
 
 
 def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_path="prompts"):
     """rollout() under torchrun: rank r samples a contiguous share of whole groups from its own
-    generator, seeded with common.rank_seed(seed, r), and every rank gets all rows back in group
+    generator, seeded with distributed.rank_seed(seed, r), and every rank gets all rows back in group
     order. So rank r's groups are what one process draws for that share (--start, --num-prompts)
     with that seed. One process: rollout() itself."""
-    rank, world = common.rank_and_world()
+    rank, world = distributed.rank_and_world()
     if world == 1:
         return rollout(policy, tokenizer, records, args, ref_model, prompts_path=prompts_path)
     if len(records) < world:
-        raise common.StageError(f"{len(records)} prompts for {world} processes: each process samples whole groups, "
-                                f"so --num-prompts must be at least the number of processes")
-    share = common.shard_slice(len(records), rank, world)
+        raise StageError(f"{len(records)} prompts for {world} processes: each process samples whole groups, "
+                         f"so --num-prompts must be at least the number of processes")
+    share = distributed.shard_slice(len(records), rank, world)
     local_args = argparse.Namespace(**{**vars(args), "start": args.start + share.start})
-    generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(common.rank_seed(args.seed, rank))
-    tensors, samples = rollout(policy, tokenizer, records[share], local_args, ref_model, generator, prompts_path)
+    device = next(policy.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(distributed.rank_seed(args.seed, rank))
+    tensors, samples = rollout(policy, tokenizer, records[share], local_args, ref_model, generator,
+                               prompts_path)
     for s in samples:
         s["group"] += share.start
     pad = tokenizer.pad_token_id
-    parts = {k: common.all_gather_rows(v, pad if k.endswith("_ids") else 0, left=k.startswith("prompt"))
+    parts = {k: distributed.all_gather_rows(v, pad if k.endswith("_ids") else 0, left=k.startswith("prompt"))
              for k, v in tensors.items()}
     tensors = concat_rollouts([{k: parts[k][r] for k in parts} for r in range(world)], pad)
-    return tensors, common.all_gather_json(samples)
-
-
-@torch.inference_mode()
-def reference_logprobs(ref_model, tensors, temperature, micro_batch_size):
-    """log π_ref of every completion token, at the sampling temperature. [N, T]"""
-    out = []
-    for rows in common.row_slices(tensors["prompt_ids"].shape[0], micro_batch_size):
-        out.append(common.completion_logprobs(
-            ref_model, tensors["prompt_ids"][rows], tensors["prompt_mask"][rows],
-            tensors["completion_ids"][rows], tensors["completion_mask"][rows], temperature))
-    return torch.cat(out)
+    return tensors, distributed.all_gather_json(samples)
 
 
 def write_outputs(out_dir, tensors, samples, args):
     """samples.jsonl, then rollouts.safetensors, each renamed into place when complete; the rollouts,
     which every later stage opens first, appear last."""
     os.makedirs(out_dir, exist_ok=True)
-    common.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
-    common.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, common.ROLLOUTS[0], vars(args))
+    files.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
+    files.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, files.ROLLOUTS[0], vars(args))
 
 
 def main(argv=None):
     args = parse_args(argv)
     records = select_records(args.prompts, args.start, args.num_prompts)
     args.num_prompts = len(records)
-    device = common.init_distributed(args.device)
-    tokenizer = common.load_tokenizer(args.model, args.trust_remote_code)
-    policy = common.load_model(args.model, device, args.trust_remote_code)
-    ref_model = common.load_model(args.ref_model, device, args.trust_remote_code) if args.ref_model else None
+    device = distributed.init_distributed(args.device)
+    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
+    policy = modeling.load_model(args.model, device, args.trust_remote_code)
+    ref_model = None
+    if args.ref_model:
+        ref_model = modeling.load_model(args.ref_model, device, args.trust_remote_code)
 
     t0 = time.perf_counter()
     tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts)
     seconds = time.perf_counter() - t0
-    if not common.is_main():
+    if not distributed.is_main():
         return
     write_outputs(args.out, tensors, samples, args)
 
     lengths = tensors["completion_mask"].sum(-1).float()
-    print(f"sampled {len(samples)} completions ({len(records)} prompts × G={args.group_size}) in {seconds:.1f}s, "
-          f"{lengths.sum().item() / seconds:.0f} tok/s; mean length {lengths.mean().item():.1f}, "
+    print(f"sampled {len(samples)} completions ({len(records)} prompts × G={args.group_size}) in "
+          f"{seconds:.1f}s, {lengths.sum().item() / seconds:.0f} tok/s; "
+          f"mean length {lengths.mean().item():.1f}, "
           f"truncated {tensors['truncated'].float().mean().item():.0%}; wrote {args.out}")
 
 
 if __name__ == "__main__":
-    common.run_cli(main)
+    run_cli(main)

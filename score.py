@@ -1,18 +1,19 @@
 """Stage 2 of GRPO: one scalar reward r_i per completion.
 
-Reads   --rollouts FILE  rollouts.safetensors (group_ids [N], completion_ids [N, T], completion_mask [N, T])
+Reads   --rollouts FILE  rollouts.safetensors: group_ids [N], completion_ids and completion_mask [N, T]
         --samples FILE   samples.jsonl (N rows: prompt, completion, and the prompt record's fields)
-Writes  --out FILE       rewards.safetensors (schema rewards/1)
+Writes  --out FILE       rewards.safetensors (schema rewards/1; FORMATS.md)
             rewards [N] f32     the weighted sum Σ_k w_k · r_k of the reward functions
             group_ids [N] i64   copied from the rollouts, so advantage.py needs only this file
             reward/NAME [N] f32 each function's reward before weighting
 
 Example:
     python score.py --rollouts it0/rollouts.safetensors --samples it0/samples.jsonl \\
-        --reward exact_answer my_rewards.py:brevity --reward-weights 1.0 0.1 --out it0/rewards.safetensors
+        --reward exact_answer my_rewards.py:brevity --reward-weights 1.0 0.1 \\
+        --out it0/rewards.safetensors
 
 A --reward SPEC is one of
-- a built-in rule reward by name (tasks.py: exact_answer);
+- a built-in rule reward by name (grpo/tasks.py: exact_answer);
 - `module:function` or `path/to/file.py:function`, a user function with TRL's reward signature
   `f(prompts, completions, **fields) -> list[float]`; `fields` holds every other column of
   samples.jsonl as a list (e.g. answer, group) and `completion_ids` (token ids up to the mask);
@@ -24,9 +25,9 @@ A --reward SPEC is one of
 Every reward must be a finite number: None, NaN or ±inf is an error naming the rows, unless
 --on-reward-error skip gives those rows their group's mean of the valid rows (recorded in
 `skipped` [N] bool). The file also holds `lengths` [N] i64, |o| of each completion (the
-completion_mask's count, first EOS included), for advantage.py --length-strata and the diagnostics.
+completion_mask's count, first EOS included), for advantage.py --length-strata and diagnostics.
 
-Length terms from |o| and L_max = max_new_tokens, each added with weight 1 and kept as a component:
+Length terms from |o| and L_max = max_new_tokens, each added with weight 1, kept as a component:
 --overlong-buffer L (DAPO's soft overlong punishment, reward/overlong) and --length-penalty α
 (reward/length = −α·|o|/L_max, against a reward that favours long answers).
 
@@ -43,17 +44,18 @@ import sys
 
 import torch
 
-import common
-import tasks
+from grpo import distributed, files, modeling, tasks
+from grpo.cli import ArgumentParser, StageError, run_cli, warn
 
 
-def parse_args(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser():
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py")
     p.add_argument("--samples", required=True, help="samples.jsonl from sample.py")
     p.add_argument("--reward", required=True, nargs="+", action="extend", metavar="SPEC",
-                   help="r: reward function(s): a built-in name (" + ", ".join(tasks.REWARDS) + "), module:function,\n"
-                        "path/file.py:function, or a reward-model folder; repeat or list several")
+                   help=f"r: reward function(s): a built-in name ({', '.join(tasks.REWARDS)}),\n"
+                        "module:function, path/file.py:function, or a reward-model folder;\n"
+                        "repeat or list several")
     p.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
                    help="w_k: one weight per --reward; r = Σ_k w_k r_k (default: all 1.0)")
     p.add_argument("--overlong-buffer", type=int, default=0, metavar="L",
@@ -61,8 +63,8 @@ def parse_args(argv=None):
                         "L_max = max_new_tokens, 0 up to L_max − L tokens, linear down to −1 at L_max,\n"
                         "−1 beyond (default 0: off)")
     p.add_argument("--length-penalty", type=float, default=0.0, metavar="α",
-                   help="α: add reward/length = −α·|o|/L_max, against a reward that prefers long answers\n"
-                        "(the source article's first remedy for length bias; default 0: off)")
+                   help="α: add reward/length = −α·|o|/L_max, against a reward that prefers long\n"
+                        "answers (the source article's first remedy for length bias; default 0: off)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="L_max for --overlong-buffer and --length-penalty (default: the rollouts' metadata)")
     p.add_argument("--on-reward-error", default="fail", choices=["fail", "skip"],
@@ -71,16 +73,22 @@ def parse_args(argv=None):
                         "skip: give those rows their group's mean of the valid rows (advantage 0 under\n"
                         "grpo, so they teach nothing), record them in 'skipped', and warn")
     p.add_argument("--out", required=True, help="output rewards.safetensors")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model forward pass (default 0: all)")
+    p.add_argument("--micro-batch-size", type=int, default=0,
+                   help="rows per reward-model forward pass (default 0: all)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="let a reward-model folder run its own Python code (default off: it is code from the folder)")
-    args = p.parse_args(argv)
+                   help="let a reward-model folder run its own Python code\n"
+                        "(default off: it is code from the folder)")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     if args.reward_weights is None:
         args.reward_weights = [1.0] * len(args.reward)
     if len(args.reward_weights) != len(args.reward):
-        raise common.StageError(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward)} "
-                                f"--reward functions")
+        raise StageError(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward)} "
+                         f"--reward functions")
     if args.overlong_buffer and args.max_new_tokens:
         check_overlong(args.overlong_buffer, args.max_new_tokens)
     return args
@@ -88,7 +96,7 @@ def parse_args(argv=None):
 
 def check_overlong(buffer, max_len):
     if not 0 < buffer <= max_len:
-        raise common.StageError(f"--overlong-buffer must be in 1..L_max={max_len}, got {buffer}")
+        raise StageError(f"--overlong-buffer must be in 1..L_max={max_len}, got {buffer}")
 
 
 def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
@@ -98,9 +106,11 @@ def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
     if ":" in spec:
         return load_user_function(spec)
     if os.path.isdir(spec):
-        return os.path.basename(os.path.normpath(spec)), reward_model_function(spec, device, micro_batch_size, trust_remote_code)
-    raise common.StageError(f"--reward {spec!r}: unknown reward; expected a built-in name ({', '.join(tasks.REWARDS)}), "
-                            f"module:function, path/file.py:function, or a reward-model folder")
+        name = os.path.basename(os.path.normpath(spec))
+        return name, reward_model_function(spec, device, micro_batch_size, trust_remote_code)
+    raise StageError(f"--reward {spec!r}: unknown reward; expected a built-in name "
+                     f"({', '.join(tasks.REWARDS)}), module:function, path/file.py:function, "
+                     f"or a reward-model folder")
 
 
 def load_user_function(spec):
@@ -108,7 +118,7 @@ def load_user_function(spec):
     try:
         if target.endswith(".py"):
             if not os.path.isfile(target):
-                raise common.StageError(f"--reward {spec!r}: no such file {target}")
+                raise StageError(f"--reward {spec!r}: no such file {target}")
             module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(target))}", target)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -116,13 +126,13 @@ def load_user_function(spec):
             if os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(target)
-    except common.StageError:
+    except StageError:
         raise
     except Exception as e:  # the user's module can raise anything on import; report it as one line
-        raise common.StageError(f"--reward {spec!r}: importing {target} failed ({type(e).__name__}: {e})") from None
+        raise StageError(f"--reward {spec!r}: importing {target} failed ({type(e).__name__}: {e})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise common.StageError(f"--reward {spec!r}: {target} has no function {name!r}")
+        raise StageError(f"--reward {spec!r}: {target} has no function {name!r}")
     return name, fn
 
 
@@ -130,11 +140,11 @@ def reward_model_function(path, device, micro_batch_size, trust_remote_code=Fals
     """A TRL-style reward function backed by a sequence-classification model with one output."""
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = common.load_tokenizer(path, trust_remote_code)
-    model = common.load_model(path, device, trust_remote_code, auto_class=AutoModelForSequenceClassification)
+    tokenizer = modeling.load_tokenizer(path, trust_remote_code)
+    model = modeling.load_model(path, device, trust_remote_code, AutoModelForSequenceClassification)
     if model.config.num_labels != 1:
-        raise common.StageError(f"{path}: a reward model must have one output (num_labels=1), "
-                                f"this one has {model.config.num_labels}")
+        raise StageError(f"{path}: a reward model must have one output (num_labels=1), "
+                         f"this one has {model.config.num_labels}")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
 
@@ -149,8 +159,9 @@ def reward_model_function(path, device, micro_batch_size, trust_remote_code=Fals
             else:
                 texts.append(prompt + completion)
         scores = []
-        for rows in common.row_slices(len(texts), micro_batch_size):
-            batch = tokenizer(texts[rows], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        for rows in distributed.row_slices(len(texts), micro_batch_size):
+            batch = tokenizer(texts[rows], return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = batch.to(device)
             scores.append(model(**batch).logits[:, 0].float().cpu())                       # [n]
         return torch.cat(scores).tolist()
 
@@ -170,21 +181,26 @@ def call_reward(name, fn, prompts, completions, fields, group_ids, on_error="fai
         if isinstance(values, torch.Tensor):
             values = values.tolist()
         if values is None or not hasattr(values, "__len__") or len(values) != n:
-            got = "None" if values is None else f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            got = ("None" if values is None else f"{len(values)} values" if hasattr(values, "__len__")
+                   else type(values).__name__)
             problem = f"returned {got}, expected a list of {n} floats (one per completion)"
         else:
             bad = torch.tensor([v is None or not isinstance(v, numbers.Real)
                                 or not math.isfinite(v) for v in values], dtype=torch.bool)
             if bad.any():
-                problem = f"returned None, NaN, infinite or non-numbers in rows {common.format_rows(torch.nonzero(bad).flatten())}"
+                rows = files.format_rows(torch.nonzero(bad).flatten())
+                problem = f"returned None, NaN, infinite or non-numbers in rows {rows}"
     if problem is None:
         return torch.tensor([float(v) for v in values], dtype=torch.float32), bad               # [N]
     if on_error == "fail":
-        raise common.StageError(f"reward {name!r} {problem} (--on-reward-error skip gives such rows their group's mean)")
+        raise StageError(f"reward {name!r} {problem} "
+                         f"(--on-reward-error skip gives such rows their group's mean)")
     if not bad.any():
         bad = torch.ones(n, dtype=torch.bool)
-    common.warn(f"score: reward {name!r} {problem}; {int(bad.sum())} rows skipped (their group's mean of the others)")
-    r = torch.tensor([0.0 if b else float(v) for v, b in zip(values or [0.0] * n, bad.tolist())], dtype=torch.float64)
+    warn(f"score: reward {name!r} {problem}; {int(bad.sum())} rows skipped "
+         f"(their group's mean of the others)")
+    r = torch.tensor([0.0 if b else float(v) for v, b in zip(values or [0.0] * n, bad.tolist())],
+                     dtype=torch.float64)                                                      # [N]
     for g in group_ids.unique():
         rows = group_ids == g                                                                  # [N]
         valid = rows & ~bad
@@ -209,7 +225,8 @@ def score(rollouts, samples, reward_fns, weights, on_error="fail"):
         key = name
         while key in components:
             key += "_"
-        components[key], bad = call_reward(name, fn, prompts, completions, fields, rollouts["group_ids"], on_error)
+        components[key], bad = call_reward(name, fn, prompts, completions, fields, rollouts["group_ids"],
+                                           on_error)
         total += w * components[key]
         skipped |= bad
     return total, components, skipped
@@ -218,18 +235,20 @@ def score(rollouts, samples, reward_fns, weights, on_error="fail"):
 def score_sharded(rollouts, samples, reward_fns, weights, on_error="fail"):
     """score() under torchrun: each rank scores a contiguous share of whole groups (so a skipped row's
     group mean is its own group's) and every rank gets all rows back in order. One process: score()."""
-    rank, world = common.rank_and_world()
+    rank, world = distributed.rank_and_world()
     _, group_index = torch.unique_consecutive(rollouts["group_ids"], return_inverse=True)           # [N]
     num_groups = int(group_index.max()) + 1 if len(samples) else 0
     if world == 1 or num_groups < world:                    # too few groups to share: every rank scores all
         return score(rollouts, samples, reward_fns, weights, on_error)
-    share = common.shard_slice(num_groups, rank, world)
+    share = distributed.shard_slice(num_groups, rank, world)
     rows = torch.nonzero((group_index >= share.start) & (group_index < share.stop)).flatten()          # [n]
-    local = {k: v[rows] for k, v in rollouts.items() if k in ("group_ids", "completion_ids", "completion_mask")}
-    total, components, skipped = score(local, [samples[i] for i in rows.tolist()], reward_fns, weights, on_error)
+    keys = ("group_ids", "completion_ids", "completion_mask")
+    local = {k: rollouts[k][rows] for k in keys if k in rollouts}
+    local_samples = [samples[i] for i in rows.tolist()]
+    total, components, skipped = score(local, local_samples, reward_fns, weights, on_error)
 
     def gathered(t):
-        return torch.cat(common.all_gather_rows(t))
+        return torch.cat(distributed.all_gather_rows(t))
 
     return gathered(total), {k: gathered(v) for k, v in components.items()}, gathered(skipped)
 
@@ -253,50 +272,53 @@ def length_shaping(rewards, components, lengths, args):
 
 
 def write_rewards(path, rewards, group_ids, components, args, lengths=None, skipped=None):
-    tensors = {"rewards": rewards, "group_ids": group_ids, **{f"reward/{k}": v for k, v in components.items()}}
+    tensors = {"rewards": rewards, "group_ids": group_ids,
+               **{f"reward/{k}": v for k, v in components.items()}}
     if lengths is not None:
         tensors["lengths"] = lengths
     if skipped is not None and skipped.any():
         tensors["skipped"] = skipped
-    common.save_tensors(path, tensors, common.REWARDS[0], vars(args))
+    files.save_tensors(path, tensors, files.REWARDS[0], vars(args))
 
 
 def check_samples(samples, group_ids, path):
     if len(samples) != group_ids.shape[0]:
-        raise common.StageError(f"{path}: has {len(samples)} rows, the rollouts have {group_ids.shape[0]}")
+        raise StageError(f"{path}: has {len(samples)} rows, the rollouts have {group_ids.shape[0]}")
     for i, s in enumerate(samples):
         if not isinstance(s.get("prompt"), str) or not isinstance(s.get("completion"), str):
-            raise common.StageError(f"{path}, row {i}: needs string fields 'prompt' and 'completion'")
+            raise StageError(f"{path}, row {i}: needs string fields 'prompt' and 'completion'")
         if "group" in s and s["group"] != int(group_ids[i]):
-            raise common.StageError(f"{path}, row {i}: group {s['group']} but the rollouts say {int(group_ids[i])}")
+            raise StageError(f"{path}, row {i}: group {s['group']} but the rollouts say {int(group_ids[i])}")
 
 
 # score.py needs only group_ids from the rollouts (and completion ids for the reward functions' fields).
-ROLLOUTS_FOR_SCORING = (common.ROLLOUTS[0], {k: (kind, shapes, k == "group_ids")
-                                             for k, (kind, shapes, _) in common.ROLLOUTS[1].items()})
+ROLLOUTS_FOR_SCORING = (files.ROLLOUTS[0], {k: (kind, shapes, k == "group_ids")
+                                             for k, (kind, shapes, _) in files.ROLLOUTS[1].items()})
 
 
 def main(argv=None):
     args = parse_args(argv)
-    rollouts, meta, _ = common.load_tensors(args.rollouts, ROLLOUTS_FOR_SCORING)
+    rollouts, meta, _ = files.load_tensors(args.rollouts, ROLLOUTS_FOR_SCORING)
     lengths = rollouts["completion_mask"].sum(-1) if "completion_mask" in rollouts else None      # [N]
     if args.overlong_buffer or args.length_penalty:
         args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens")
         if lengths is None or not args.max_new_tokens:
-            raise common.StageError(f"{args.rollouts}: --overlong-buffer and --length-penalty need 'completion_mask' "
-                                    f"and L_max (--max-new-tokens, or max_new_tokens in the file's metadata)")
+            raise StageError(f"{args.rollouts}: --overlong-buffer and --length-penalty need "
+                             f"'completion_mask' and L_max (--max-new-tokens, or max_new_tokens in the "
+                             f"file's metadata)")
         if args.overlong_buffer:
             check_overlong(args.overlong_buffer, args.max_new_tokens)
-    samples = common.read_jsonl(args.samples)
+    samples = files.read_jsonl(args.samples)
     check_samples(samples, rollouts["group_ids"], args.samples)
-    device = common.init_distributed(args.device)
-    reward_fns = [load_reward(spec, device, args.micro_batch_size, args.trust_remote_code) for spec in args.reward]
+    device = distributed.init_distributed(args.device)
+    reward_fns = [load_reward(spec, device, args.micro_batch_size, args.trust_remote_code)
+                  for spec in args.reward]
 
     rewards, components, skipped = score_sharded(rollouts, samples, reward_fns, args.reward_weights,
                                                  args.on_reward_error)
     if lengths is not None:
         rewards = length_shaping(rewards, components, lengths, args)
-    if not common.is_main():
+    if not distributed.is_main():
         return
     write_rewards(args.out, rewards, rollouts["group_ids"], components, args, lengths, skipped)
     parts = ", ".join(f"{k} {v.mean().item():.3f}" for k, v in components.items())
@@ -305,4 +327,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_cli(main)
+    run_cli(main)

@@ -37,8 +37,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
-import tasks  # noqa: E402
+from grpo import builders, distributed, files, modeling, tasks  # noqa: E402
 
 B, G, T, TAU, BETA = 2, 8, 32, 0.7, 0.01
 
@@ -66,7 +65,7 @@ def run_project(args, model, run_dir):
     stderr = proc.stderr.read()
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"train.py failed:\n{stderr}")
-    metrics = [common.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
+    metrics = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
     return metrics, usage.ru_maxrss / 1024
 
 
@@ -117,11 +116,11 @@ def floor_once(policy, ref, optimizer, prompt_ids, prompt_mask, device):
 
 def main():
     args = parse_args()
-    model_dir = args.model or common.default_model_dir()
-    device = common.pick_device(args.device)
+    model_dir = args.model or builders.default_model_dir()
+    device = distributed.pick_device(args.device)
 
-    tokenizer = common.load_tokenizer(model_dir)
-    policy, ref = common.load_model(model_dir, device), common.load_model(model_dir, device)
+    tokenizer = modeling.load_tokenizer(model_dir)
+    policy, ref = modeling.load_model(model_dir, device), modeling.load_model(model_dir, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     prompt_ids, prompt_mask = prompt_batch(tokenizer, device)
 

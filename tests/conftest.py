@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import common  # noqa: E402
+from grpo import builders  # noqa: E402
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -72,8 +72,8 @@ def write_jsonl(path, records):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {
-        "policy": common.make_tiny_llama(str(root / "policy"), seed=0),
-        "ref": common.make_tiny_llama(str(root / "ref"), seed=1),
+        "policy": builders.make_tiny_llama(str(root / "policy"), seed=0),
+        "ref": builders.make_tiny_llama(str(root / "ref"), seed=1),
     }
 
 

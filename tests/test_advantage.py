@@ -9,7 +9,7 @@ from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 
 import advantage
-import common
+from grpo import files
 
 # Three groups of G = 4: one with spread, one all-equal, one skewed.
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]
@@ -164,6 +164,6 @@ def test_bad_flags_and_empty_input(tmp_path):
 def test_file_metadata_holds_schema_and_args(tmp_path):
     out = tmp_path / "a.safetensors"
     assert cli("advantage.py", "--rewards", write_rewards(tmp_path / "r.safetensors"), "--out", out).code == 0
-    _, args, dims = common.load_tensors(str(out), common.ADVANTAGES)
+    _, args, dims = files.load_tensors(str(out), files.ADVANTAGES)
     assert args["estimator"] == "grpo" and args["eps"] == 1e-4
     assert dims["N"] == 12

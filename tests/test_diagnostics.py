@@ -9,7 +9,7 @@ import torch
 from conftest import cli
 from safetensors.torch import load_file, save_file
 
-import diagnostics
+from grpo import diagnostics
 
 REWARDS = os.path.join(os.path.dirname(__file__), "rewards_for_tests.py")
 
@@ -48,11 +48,13 @@ def test_diversity_hand_vector_and_collapse_flag():
     collapsed = diagnostics.diversity(same, mask, ["yes yes\nmore", "yes yes"])
     # One unigram of ten, one bigram of eight; each row's second 4-gram repeats its first: 2 of 4.
     assert collapsed == {"distinct_1": 0.1, "distinct_2": 0.125, "repeat_4gram": 0.5, "first_line_share": 1.0}
+    collapsed, diverse = ({f"diversity/{k}": v for k, v in d.items()} for d in (collapsed, diverse))
     flags = diagnostics.collapse_flags(collapsed, diverse)
-    assert flags == {"distinct_1_drop": 1.0, "distinct_2_drop": 1.0, "repeat_4gram_rise": 1.0,
-                     "first_line_share_rise": 1.0, "collapse": 1.0}
-    assert diagnostics.collapse_flags(diverse, diverse)["collapse"] == 0.0
-    assert diagnostics.collapse_flags(diverse, None) == {"collapse": 0.0}
+    assert flags == {"diversity/distinct_1_drop": 1.0, "diversity/distinct_2_drop": 1.0,
+                     "diversity/repeat_4gram_rise": 1.0, "diversity/first_line_share_rise": 1.0,
+                     "diversity/collapse": 1.0}
+    assert diagnostics.collapse_flags(diverse, diverse)["diversity/collapse"] == 0.0
+    assert diagnostics.collapse_flags(diverse, None) == {"diversity/collapse": 0.0}
 
 
 def test_check_warns_on_a_constant_reward(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT, cli, write_jsonl
 from safetensors.torch import load_file
 
-import common
+from grpo import distributed
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(2, 3), (10, 7), (9, 1), (1, 1), (4, 4)]]
@@ -50,14 +50,14 @@ def files(models, tmp_path_factory):
 
 def test_sample_shards_whole_groups_with_a_seed_per_rank(files):
     """Rank r's groups are exactly one process's draw for that share (--start, --num-prompts) with the
-    seed common.rank_seed(seed, r); the rows come back in group order with one padding."""
+    seed distributed.rank_seed(seed, r); the rows come back in group order with one padding."""
     d = files["dir"]
     both = load_file(files["rollouts"])
     shares = [(0, 3), (3, 2)]                                   # shard_slice(5, r, 2)
     parts = []
     for rank, (start, count) in enumerate(shares):
         out = d / f"one_{rank}"
-        assert cli("sample.py", *files["sample_args"][:-1], common.rank_seed(5, rank), "--start", start,
+        assert cli("sample.py", *files["sample_args"][:-1], distributed.rank_seed(5, rank), "--start", start,
                    "--num-prompts", count, "--out", out).code == 0
         parts.append(load_file(out / "rollouts.safetensors"))
     assert both["group_ids"].tolist() == [g for g in range(5) for _ in range(4)]

@@ -13,7 +13,8 @@ import torch
 from conftest import ROOT, cli
 from safetensors.torch import load_file, save_file
 
-import common
+from grpo import builders, checkpoints, files, modeling
+from grpo.cli import StageError
 from test_update import rollouts_of, run_update
 
 
@@ -55,7 +56,7 @@ def test_update_killed_at_any_moment_leaves_a_whole_checkpoint(models, rollout_d
         shutil.rmtree(out)
         shutil.copytree(tmp_path / "old_copy", out)
         killed += kill_at([*argv[:-1], "2e-3"], delay)
-        common.recover_dir(str(out))                           # what the next stage run does first
+        files.recover_dir(str(out))                           # what the next stage run does first
         now = load_file(str(out / "model.safetensors"))
         assert same_tensors(now, old) or same_tensors(now, new), delay
         seen.add("new" if same_tensors(now, new) else "old")
@@ -82,12 +83,12 @@ def test_sample_killed_leaves_the_previous_rollouts(models, prompts_file, tmp_pa
 def test_non_finite_step_is_skipped_and_counted(models, rollout_dir):
     rollouts = rollouts_of(rollout_dir)
     huge = torch.full((rollouts["group_ids"].numel(),), 3e38)   # finite, but the loss and gradient overflow
-    start = common.load_model(models["policy"], "cpu").state_dict()
+    start = modeling.load_model(models["policy"], "cpu").state_dict()
     policy, m = run_update(models["policy"], rollouts, huge, minibatch_size=8, max_bad_steps=5)
     assert m["skipped_steps"] == 2 and m["optimizer_steps"] == 0
     for name, p in policy.state_dict().items():
         assert torch.equal(p, start[name]), name                 # no NaN written, nothing moved
-    with pytest.raises(common.StageError, match="--max-bad-steps 1"):
+    with pytest.raises(StageError, match="--max-bad-steps 1"):
         run_update(models["policy"], rollouts, huge, minibatch_size=4, max_bad_steps=1)
 
 
@@ -122,25 +123,25 @@ def test_every_stage_bounds_its_forward_passes_by_micro_batch_size(models, rollo
                                                                    monkeypatch):
     """32 rows through each stage with --micro-batch-size 5: no forward pass sees more than 5 rows."""
     loaded = []
-    real = common.load_model
+    real = modeling.load_model
 
     def recording_load(*a, **k):
         model = real(*a, **k)
         loaded.append(BatchSizes(model))
         return model
 
-    monkeypatch.setattr(common, "load_model", recording_load)
+    monkeypatch.setattr(modeling, "load_model", recording_load)
     out = tmp_path / "s"
     r = cli("sample.py", "--model", models["policy"], "--prompts", prompts_file, "--out", out, "--group-size", 8,
             "--num-prompts", 4, "--max-new-tokens", 12, "--ref-model", models["ref"], "--micro-batch-size", 5)
     assert r.code == 0, r.err
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    tok = common.char_tokenizer()
+    tok = builders.char_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
     rm = tmp_path / "rm"
-    common.save_checkpoint(LlamaForSequenceClassification(config), tok, str(rm))
+    checkpoints.save_checkpoint(LlamaForSequenceClassification(config), tok, str(rm))
     r = cli("score.py", "--rollouts", out / "rollouts.safetensors", "--samples", out / "samples.jsonl",
             "--reward", rm, "--out", tmp_path / "r.safetensors", "--micro-batch-size", 5)
     assert r.code == 0, r.err

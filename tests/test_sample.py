@@ -8,7 +8,7 @@ from conftest import PROMPTS, assert_user_error, cli, write_jsonl
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import common
+from grpo import builders, modeling
 
 
 def test_rollouts_contract(rollout_dir):
@@ -39,8 +39,8 @@ def test_rollouts_contract(rollout_dir):
 
 def test_masks_end_at_the_first_eos(models, rollout_dir):
     r = load_file(rollout_dir / "rollouts.safetensors")
-    eos = common.load_tokenizer(models["policy"]).eos_token_id
-    pad = common.load_tokenizer(models["policy"]).pad_token_id
+    eos = modeling.load_tokenizer(models["policy"]).eos_token_id
+    pad = modeling.load_tokenizer(models["policy"]).pad_token_id
     ended = 0
     for ids, mask, truncated in zip(r["completion_ids"], r["completion_mask"], r["truncated"]):
         length = int(mask.sum())
@@ -61,7 +61,7 @@ def test_pad_token_sampled_before_eos_stays_in_the_mask(models, rollout_dir):
     # The tiny model samples <pad> as an ordinary token now and then. A mask derived from the pad
     # id would be false there; the contract says it is true up to the first EOS.
     r = load_file(rollout_dir / "rollouts.safetensors")
-    tok = common.load_tokenizer(models["policy"])
+    tok = modeling.load_tokenizer(models["policy"])
     assert tok.pad_token_id != tok.eos_token_id
     sampled_pad = (r["completion_ids"] == tok.pad_token_id) & r["completion_mask"]
     assert sampled_pad.any(), "pick a seed under which <pad> is sampled inside a completion"
@@ -73,7 +73,7 @@ def test_logprobs_match_unpadded_row_by_row_recomputation(models, rollout_dir):
     r = load_file(rollout_dir / "rollouts.safetensors")
     assert r["prompt_mask"].sum(1).unique().numel() > 1                 # prompts of several lengths: padding
     for key, model_dir in (("old_logprobs", models["policy"]), ("ref_logprobs", models["ref"])):
-        model = common.load_model(model_dir, "cpu")
+        model = modeling.load_model(model_dir, "cpu")
         for i in range(r["group_ids"].numel()):
             prompt = r["prompt_ids"][i][r["prompt_mask"][i]][None]
             completion = r["completion_ids"][i][r["completion_mask"][i]][None]
@@ -87,7 +87,7 @@ def test_logprobs_match_unpadded_row_by_row_recomputation(models, rollout_dir):
 def test_samples_jsonl(models, rollout_dir):
     rows = [json.loads(line) for line in open(rollout_dir / "samples.jsonl")]
     assert len(rows) == 16
-    tok = common.load_tokenizer(models["policy"])
+    tok = modeling.load_tokenizer(models["policy"])
     r = load_file(rollout_dir / "rollouts.safetensors")
     for i, row in enumerate(rows):
         g = i // 4
@@ -146,9 +146,9 @@ def test_bad_prompt_files(models, tmp_path):
 
 
 def test_tokenizer_without_pad_token_is_handled(tmp_path, prompts_file):
-    tok = common.char_tokenizer()
+    tok = builders.char_tokenizer()
     tok.pad_token = None
-    model_dir = common.make_tiny_llama(str(tmp_path / "nopad"), tokenizer=tok)
+    model_dir = builders.make_tiny_llama(str(tmp_path / "nopad"), tokenizer=tok)
     r = cli("sample.py", "--model", model_dir, "--prompts", prompts_file, "--out", tmp_path / "o",
             "--group-size", 2, "--num-prompts", 2, "--max-new-tokens", 6)
     assert r.code == 0, r.err

@@ -7,8 +7,8 @@ import torch
 from conftest import assert_user_error, cli
 from safetensors.torch import load_file
 
-import common
-import tasks
+from grpo import builders, checkpoints
+from grpo import tasks
 
 
 @pytest.mark.parametrize("completion, answer, reward", [
@@ -69,12 +69,12 @@ def test_builtin_user_functions_and_weights(rollout_dir, tmp_path, monkeypatch):
 def test_reward_model_folder(rollout_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    tok = common.char_tokenizer()
+    tok = builders.char_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
     rm_dir = tmp_path / "my_rm"
-    common.save_checkpoint(LlamaForSequenceClassification(config), tok, str(rm_dir))
+    checkpoints.save_checkpoint(LlamaForSequenceClassification(config), tok, str(rm_dir))
     out = tmp_path / "rewards.safetensors"
     r = cli("score.py", "--rollouts", rollout_dir / "rollouts.safetensors", "--samples",
             rollout_dir / "samples.jsonl", "--reward", rm_dir, "--out", out, "--micro-batch-size", 5)

@@ -12,8 +12,8 @@ from conftest import ROOT, assert_user_error, cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import common
-import tasks
+from grpo import modeling
+from grpo import tasks
 
 HOSTILE = [
     "__import__('os').system('touch {marker}')",
@@ -62,7 +62,7 @@ def test_number_parsing_is_bounded_on_number_like_noise(text):
 
 
 def project_sources():
-    return [p for p in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))]
+    return [p for folder in ("", "grpo", "benchmarks") for p in glob.glob(os.path.join(ROOT, folder, "*.py"))]
 
 
 def test_no_code_path_unpickles_or_evaluates():
@@ -91,7 +91,7 @@ def test_no_code_path_unpickles_or_evaluates():
 def test_a_pickled_checkpoint_is_refused(models, tmp_path):
     folder = tmp_path / "pickled"
     folder.mkdir()
-    model = common.load_model(models["policy"], "cpu")
+    model = modeling.load_model(models["policy"], "cpu")
     model.config.save_pretrained(folder)
     torch.save(model.state_dict(), folder / "pytorch_model.bin")     # what an old or hostile folder holds
     for name in os.listdir(models["policy"]):

@@ -4,7 +4,6 @@ import json
 import math
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-import common
+from grpo import files, modeling
 import update
 
 LN2 = math.log(2.0)
@@ -73,8 +72,8 @@ def test_aggregation_hand_vector(loss_agg, expected):
 
 
 def test_left_padding_does_not_change_logprobs(models):
-    policy = common.load_model(models["policy"], "cpu")
-    tok = common.load_tokenizer(models["policy"])
+    policy = modeling.load_model(models["policy"], "cpu")
+    tok = modeling.load_tokenizer(models["policy"])
     short, long = tok("1+1=")["input_ids"], tok("What is 12 plus 30?")["input_ids"]
     completion = torch.tensor([tok("42")["input_ids"] + [tok.eos_token_id]] * 2)           # [2, 3]
     P = len(long)
@@ -82,27 +81,29 @@ def test_left_padding_does_not_change_logprobs(models):
     prompt_mask = prompt_ids != tok.pad_token_id
     cmask = torch.ones_like(completion, dtype=torch.bool)
     with torch.no_grad():
-        batched = common.completion_logprobs(policy, prompt_ids, prompt_mask, completion, cmask, 0.8)
+        batched = modeling.completion_logprobs(policy, prompt_ids, prompt_mask, completion, cmask, 0.8)
         for i, prompt in enumerate([short, long]):
-            alone = common.completion_logprobs(policy, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.bool),
+            alone = modeling.completion_logprobs(policy, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.bool),
                                                completion[i:i + 1], cmask[i:i + 1], 0.8)
             torch.testing.assert_close(batched[i:i + 1], alone, atol=2e-5, rtol=0)
 
 
 
-def run_update(model_dir, rollouts, advantages, **overrides):
-    policy = common.load_model(model_dir, "cpu")
-    args = SimpleNamespace(lr=1e-3, weight_decay=0.0, beta=0.01, clip_eps=0.2, clip_eps_high=0.2, loss_agg="seq",
-                           epochs=1, minibatch_size=0, micro_batch_size=0, max_grad_norm=1e9, seed=0,
-                           dual_clip=None, ratio_level="token", kl_estimator="k3")
-    vars(args).update(overrides)
+def run_update(model_dir, rollouts, advantages, **flags):
+    """update.train_policy with update.py's own defaults and these flags on top (no files: the paths
+    are never opened)."""
+    flags = {"lr": 1e-3, "max_grad_norm": 1e9, "temperature": 0.7, "max_new_tokens": 40, **flags}
+    argv = ["--model", model_dir, "--rollouts", "-", "--advantages", "-", "--out", "-"]
+    for name, value in flags.items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    args = update.parse_args(argv)
+    policy = modeling.load_model(model_dir, "cpu")
     optimizer = update.make_optimizer(policy, args.lr)
-    metrics = update.update(policy, optimizer, rollouts, advantages, args, temperature=0.7, max_new_tokens=40)
-    return policy, metrics
+    return policy, update.train_policy(policy, optimizer, rollouts, advantages, args)
 
 
 def rollouts_of(rollout_dir):
-    return common.load_tensors(str(rollout_dir / "rollouts.safetensors"), common.ROLLOUTS)[0]
+    return files.load_tensors(str(rollout_dir / "rollouts.safetensors"), files.ROLLOUTS)[0]
 
 
 @pytest.mark.parametrize("loss_agg", ["seq", "token", "dr_grpo"])
@@ -140,7 +141,7 @@ def test_update_moves_probability_toward_positive_advantages(models, rollout_dir
     adv = torch.tensor([1.0, -1.0] * (N // 2))
     policy, _ = run_update(models["policy"], rollouts, adv, beta=0.0, lr=3e-3, epochs=4, max_grad_norm=1.0)
     with torch.no_grad():
-        after = common.completion_logprobs(policy, rollouts["prompt_ids"], rollouts["prompt_mask"],
+        after = modeling.completion_logprobs(policy, rollouts["prompt_ids"], rollouts["prompt_mask"],
                                            rollouts["completion_ids"], rollouts["completion_mask"], 0.7)
     mask = rollouts["completion_mask"]
     change = ((after - rollouts["old_logprobs"]) * mask).sum(-1) / mask.sum(-1)          # [N]

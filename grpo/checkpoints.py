@@ -1,0 +1,270 @@
+"""Checkpoints, AdamW's state as safetensors, and train.py's run folder (save, restore, keep, replay).
+
+    policy/                  update.py's output, plus train_state.json (the resume point)
+    checkpoints/iter_XXXX/   the policy that sampled iteration XXXX, as hard links into a save
+    iter_XXXX/replay.sh      the iteration's four stages as commands, for re-running one alone
+    iter_XXXX/metrics.json   the iteration's numbers, written last, and tb/ (TensorBoard)
+
+A checkpoint folder is written beside its place and swapped in whole (files.replace_dir), so a
+kill leaves the old checkpoint or the new one. Under torchrun every rank calls save_policy (FSDP
+shards are gathered collectively) and rank 0 writes; the run-folder functions are rank 0's.
+"""
+
+import glob
+import os
+import shlex
+import shutil
+import threading
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from safetensors.torch import save_file
+
+from grpo import distributed, files
+from grpo.cli import StageError
+from grpo.modeling import quiet_transformers
+
+
+def check_checkpoint_out(path):
+    """A checkpoint folder is replaced as a whole: refuse one that holds anything but a checkpoint."""
+    files.recover_dir(path)
+    if os.path.isfile(path):
+        raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
+    holds = os.path.isdir(path) and os.listdir(path)
+    if holds and not os.path.isfile(os.path.join(path, "config.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:3])
+        raise StageError(f"--out {path}: holds files that are not a checkpoint ({shown}, ...); the "
+                         f"checkpoint replaces the whole folder, so choose a new or empty one")
+
+
+def checkpoint_tensors(model):
+    """The model's state dict for model.safetensors, without the tied copies (lm_head.weight when the
+    embeddings are tied), which from_pretrained restores from the config, as save_pretrained does."""
+    model = distributed.unwrap(model)
+    unique = {name for name, _ in model.named_parameters()}                      # tied copies left out
+    shared = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+    # FSDP2 shards are gathered here, in the same order on every rank (each gather is a collective).
+    return {name: distributed.full_tensor(t) for name, t in model.state_dict().items() if name not in shared}
+
+
+def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
+    """Write a Hugging Face checkpoint to `out_dir` (replacing it) through a temporary folder.
+
+    `weights` (default: the model's own tensors, see checkpoint_tensors) become model.safetensors;
+    `extra_files` maps file names to callables that write them into the temporary folder. A full
+    disk or a read-only folder is a one-line error and leaves `out_dir` as it was.
+    """
+    quiet_transformers()
+    out_dir = out_dir.rstrip("/")
+    tmp = f"{out_dir}.tmp.{os.getpid()}"
+    weights = checkpoint_tensors(model) if weights is None else weights
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_file({k: t.detach().cpu().contiguous() for k, t in weights.items()},
+                  os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        for name, write in (extra_files or {}).items():
+            write(os.path.join(tmp, name))
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        files.replace_dir(tmp, out_dir)
+    except OSError as e:
+        kept = "it still holds the last complete one" if os.path.isdir(out_dir) else "nothing was written"
+        raise StageError(f"{out_dir}: cannot write the checkpoint ({e.strerror or e}); {kept}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# update.py's output: checkpoint, optimizer state and metrics as one folder
+
+def optimizer_state_tensors(policy, optimizer):
+    """AdamW's per-parameter state keyed 'param_name/exp_avg' etc., for a safetensors file (no pickle)."""
+    names = {p: n for n, p in distributed.unwrap(policy).named_parameters()}
+    return {f"{names[p]}/{k}": distributed.full_tensor(v if torch.is_tensor(v) else torch.tensor(v))
+            for p, state in optimizer.state.items() for k, v in state.items()}
+
+
+def load_optimizer_state(policy, optimizer, path):
+    """Restore AdamW's state from optimizer_state_tensors' file; every parameter must have its state."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            saved = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a damaged file raises several types; all mean the same here
+        raise StageError(f"{path}: not a readable optimizer state ({str(e).splitlines()[0]}); "
+                         f"delete it or pass --fresh-optimizer") from None
+    device = next(policy.parameters()).device
+    for name, p in distributed.unwrap(policy).named_parameters():
+        state = {key: saved.get(f"{name}/{key}") for key in ("step", "exp_avg", "exp_avg_sq")}
+        if any(v is None for v in state.values()):
+            raise StageError(f"{path}: no AdamW state for parameter {name}; is it from another model? "
+                             f"(--fresh-optimizer ignores it)")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].shape != p.shape:
+                raise StageError(f"{path}: {name}/{key} has shape {list(state[key].shape)}, "
+                                 f"the parameter has {list(p.shape)}")
+        moments = {key: state[key].to(device) for key in ("exp_avg", "exp_avg_sq")}
+        if hasattr(p, "device_mesh"):                   # an FSDP2 shard: keep this rank's part of the state
+            from torch.distributed.tensor import distribute_tensor
+
+            moments = {k: distribute_tensor(v, p.device_mesh, p.placements) for k, v in moments.items()}
+        optimizer.state[p] = {"step": state["step"].float(), **moments}
+
+
+class BackgroundSaver:
+    """One save at a time in a plain thread, so that writing a checkpoint overlaps the next iterations
+    (safetensors' writer and file writes release the GIL). wait() re-raises the save's error."""
+
+    def __init__(self):
+        self._thread, self._error = None, None
+
+    def submit(self, save):
+        self.wait()
+
+        def run():
+            try:
+                save()
+            except BaseException as e:  # handed to the main thread by wait(), whatever it is
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="checkpoint-saver")
+        self._thread.start()
+
+    def wait(self):
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def save_policy(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None, saver=None,
+                after_write=None):
+    """Checkpoint, optimizer.safetensors and metrics.json, written into `out_dir` as one unit.
+
+    With a BackgroundSaver, the weights and AdamW's state are copied now and written in its thread
+    while training goes on; `after_write` runs once they are in place.
+    """
+    weights = checkpoint_tensors(policy)
+    state = optimizer_state_tensors(policy, optimizer)    # every rank: FSDP's gathers are collectives
+    if not distributed.is_main():
+        return
+    model = distributed.unwrap(policy)
+    if saver is not None:                                 # a still image of the training state
+        weights = {k: t.detach().to("cpu", copy=True) for k, t in weights.items()}
+        state = {k: t.detach().to("cpu", copy=True) for k, t in state.items()}
+
+    def write():
+        save_checkpoint(model, tokenizer, out_dir, weights=weights, extra_files={
+            "optimizer.safetensors": lambda path: files.save_tensors(path, state, "optimizer/1", vars(args)),
+            "metrics.json": lambda path: files.write_json(path, metrics),
+            **(extra_files or {}),
+        })
+        if after_write is not None:
+            after_write()
+
+    if saver is None:
+        write()
+    else:
+        saver.submit(write)
+
+
+# ----------------------------------------------------------------------------------------
+# train.py's run folder
+
+def restore(run_dir):
+    """(iterations in the last save, bad steps so far) of run_dir, repairing what a kill may have left
+    and removing the iterations after the save, which the resumed run recomputes."""
+    policy_dir = os.path.join(run_dir, "policy")
+    files.recover_dir(policy_dir)                            # killed inside files.replace_dir
+    for pattern in ("*.tmp*", os.path.join("checkpoints", "*.tmp*")):
+        for path in glob.glob(os.path.join(run_dir, pattern)):
+            shutil.rmtree(path, ignore_errors=True)          # half-written copies of a killed run
+    state_file = os.path.join(policy_dir, "train_state.json")
+    state = files.read_json(state_file) if os.path.isfile(state_file) else {"iteration": 0, "bad_steps": 0}
+    for it_dir in glob.glob(os.path.join(run_dir, "iter_[0-9][0-9][0-9][0-9]")):
+        if int(it_dir[-4:]) >= state["iteration"]:
+            shutil.rmtree(it_dir)
+    return state["iteration"], state["bad_steps"]
+
+
+def save_resume_point(policy, tokenizer, optimizer, losses, update_args, run_dir, iterations_done, bad_steps,
+                      saver, keep=False):
+    """policy/: what update.py writes, and train_state.json, the resume point, written by `saver` in the
+    background (the next iterations run while the files go to disk; policy/ is replaced only once they
+    are all there). With `keep`, the same job then links it into checkpoints/ for replay."""
+    state = {"iteration": iterations_done, "bad_steps": bad_steps}
+    save_policy(policy, tokenizer, optimizer, losses, update_args, os.path.join(run_dir, "policy"),
+                extra_files={"train_state.json": lambda path: files.write_json(path, state)}, saver=saver,
+                after_write=(lambda: keep_checkpoint(run_dir, iterations_done)) if keep else None)
+
+
+def is_save_point(n, save_every):
+    """Whether policy/ is saved after n iterations by the --save-every rhythm (the last iteration
+    saves as well); such a save, but for the last, is also kept as checkpoint_dir(run_dir, n)."""
+    return bool(save_every) and n % save_every == 0
+
+
+def checkpoint_dir(run_dir, i):
+    return os.path.join(run_dir, "checkpoints", f"iter_{i:04d}")
+
+
+def keep_checkpoint(run_dir, i):
+    """checkpoint_dir(run_dir, i): policy/ (the policy about to sample iteration i) as hard links, which
+    cost no space or time and survive policy/ being replaced; a copy where links are not possible."""
+    keep = checkpoint_dir(run_dir, i)
+    shutil.rmtree(keep + ".tmp", ignore_errors=True)
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(os.path.join(run_dir, "policy"), keep + ".tmp", copy_function=link)
+    files.replace_dir(keep + ".tmp", keep)
+
+
+def write_replay(it_dir, i, commands):
+    """replay.sh: this iteration's four stages as commands whose outputs go to $OUT, for comparison."""
+    out = f"${{OUT:-replay/iter_{i:04d}}}"
+    lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {it_dir}.", "set -e"]
+    file_flags = ("--out", "--rollouts", "--samples", "--rewards", "--advantages")
+    for argv in commands:
+        redirect = [flag in file_flags for flag in [""] + argv[:-1]]         # the value follows its flag
+        argv = [(out if a == it_dir else f"{out}/{os.path.basename(a)}") if r else a
+                for a, r in zip(argv, redirect)]
+        lines.append(" ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv))
+    with files.atomic_path(os.path.join(it_dir, "replay.sh")) as tmp:
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def log_iteration(writer, bar, it_dir, i, metrics, samples, rewards, group_size):
+    """iter_XXXX/metrics.json (written last: the iteration is complete), TensorBoard (every namespaced
+    number, and the first completion of up to four groups as text) and the progress line."""
+    files.write_json(os.path.join(it_dir, "metrics.json"), metrics)
+    log_scalars(writer, metrics, i)
+    shown = [f"**reward {r:.3f}** · {s['prompt'][-60:]!r} → {s['completion']!r}"
+             for s, r in list(zip(samples, rewards.tolist()))[::group_size][:4]]
+    writer.add_text("samples", "\n\n".join(shown), i)
+    reward, kl = metrics["charts/reward_mean"], metrics["losses/kl"] or 0.0
+    bar.set_postfix(reward=f"{reward:.3f}", kl=f"{kl:.4f}")
+    held_out = f"  held-out {metrics['eval/reward_mean']:.3f}" if "eval/reward_mean" in metrics else ""
+    tqdm.write(f"iter {i:4d}  reward {reward:.3f}  frac_zero_std {metrics['charts/frac_zero_std']:.2f}  "
+               f"kl {kl:.4f}  len {metrics['charts/completion_len']:.1f}  "
+               f"{metrics['perf/iteration_s']:.1f}s{held_out}")
+
+
+def log_scalars(writer, metrics, step):
+    for k, v in metrics.items():
+        if "/" in k and isinstance(v, (int, float)):
+            writer.add_scalar(k, v, step)

@@ -1,0 +1,169 @@
+"""The ways a GRPO run goes wrong, as numbers a run logs every iteration.
+
+Each function takes the tensors an iteration already has and returns plain floats, so that
+train.py logs them (iteration_metrics names them for TensorBoard and iter_XXXX/metrics.json) and
+a test can feed them a hand-made batch. README "Diagnostics" says what each means and what to do.
+
+- reward_spread:            is there any signal? within-group reward std, fraction of groups with none
+- length_stats:             does the reward prefer length? within-group correlation of length and reward
+- diversity:                has the policy found one surface trick? distinct-n, repeated 4-grams, first lines
+- collapse_flags:           a jump in any diversity number against the previous iteration
+- logprob_mismatch:         do sampler and trainer agree? |log π_θ − log π_old| before any step
+
+all_equal_groups is the one definition of a group with no signal: advantage.py gives such groups
+exactly 0, and reward_spread counts them. Shapes: N = B·G rows, G per group, T completion length.
+"""
+
+from collections import Counter
+
+import torch
+
+# Rewards this close (in float32 ulps of the group's largest |r|) are one value: float32 residue
+# (0.1 + 0.2 vs 0.3) is not a spread, while 1e6 and 1e6 + 1 still differ.
+ZERO_SPREAD_RTOL = 4 * torch.finfo(torch.float32).eps
+# A batch where more than this share of groups has all-equal rewards trains on almost nothing.
+NO_SIGNAL_WARN = 0.5
+# On-policy, log π_θ and log π_old differ only by float rounding (about 1e-6 in float32 on a CPU,
+# 1e-2 in bf16 on a GPU); beyond these the sampler and the trainer compute different things.
+MISMATCH_WARN_MEAN, MISMATCH_WARN_MAX = 0.02, 0.5
+# A jump in one iteration that means the completions are collapsing onto one pattern.
+DIVERSITY_KEYS = ("distinct_1", "distinct_2", "repeat_4gram", "first_line_share")
+COLLAPSE_DISTINCT_DROP = 0.3      # distinct-1 or distinct-2 falls by this share of its previous value
+COLLAPSE_RISE = 0.25              # repeat_4gram or first_line_share rises by this much (absolute)
+
+
+def all_equal_groups(r):
+    """True for groups whose rewards are all equal up to float rounding. r [B, G] -> [B]"""
+    spread = r.max(-1).values - r.min(-1).values                            # [B]
+    return spread <= ZERO_SPREAD_RTOL * r.abs().max(-1).values
+
+
+def reward_spread(rewards, group_size):
+    """Within-group reward std (Bessel) of each group, summarised. rewards [N] -> dict of floats."""
+    r = rewards.double().reshape(-1, group_size)                            # [B, G]
+    zero = all_equal_groups(r)                                              # [B]
+    std = r.std(-1) if group_size > 1 else torch.zeros(r.shape[0], dtype=r.dtype)   # [B]
+    q = torch.quantile(std, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=std.dtype)).tolist()
+    return {"frac_zero_std": zero.double().mean().item(), "std_min": q[0], "std_q25": q[1],
+            "std_median": q[2], "std_q75": q[3], "std_max": q[4], "std_mean": std.mean().item(),
+            "groups": r.shape[0]}
+
+
+def iteration_metrics(rollouts, rewards, components, skipped, completions, group_size):
+    """The charts/, diag/ and diversity/ numbers of one iteration's batch (README: Metrics)."""
+    lengths = rollouts["completion_mask"].sum(-1)                           # [N]
+    spread = reward_spread(rewards, group_size)
+    lengths_vs_reward = length_stats(lengths, rewards, group_size)
+    return {
+        "charts/reward_mean": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
+        **{f"charts/reward/{k}": v.mean().item() for k, v in components.items()},
+        "charts/frac_zero_std": spread["frac_zero_std"],
+        "charts/completion_len": lengths.float().mean().item(),
+        "charts/truncated_frac": rollouts["truncated"].float().mean().item(),
+        "charts/skipped_rewards": int(skipped.sum()),
+        "diag/reward_std_mean": spread["std_mean"], "diag/reward_std_median": spread["std_median"],
+        **{f"diag/{k}": v for k, v in lengths_vs_reward.items()},
+        **{f"diversity/{k}": v for k, v in diversity(
+            rollouts["completion_ids"], rollouts["completion_mask"], completions).items()},
+    }
+
+
+def spread_report(spread, group_size):
+    """A few lines for the terminal: the distribution of within-group std, and advice when it is flat."""
+    lines = [f"reward spread over {spread['groups']} groups of G={group_size}: within-group std "
+             f"min {spread['std_min']:.3f} / q25 {spread['std_q25']:.3f} / "
+             f"median {spread['std_median']:.3f} / q75 {spread['std_q75']:.3f} / "
+             f"max {spread['std_max']:.3f}; "
+             f"{spread['frac_zero_std']:.0%} of groups have all-equal rewards (advantage 0, no signal)"]
+    if spread["frac_zero_std"] > NO_SIGNAL_WARN:
+        lines.append("WARNING: most groups carry no signal. GRPO learns only from groups whose rewards "
+                     "differ: raise G (--group-size), make the task easier or the reward denser (partial "
+                     "credit, a format reward), or check that the reward function sees what you think "
+                     "(score.py on samples.jsonl).")
+    return lines
+
+
+def length_stats(lengths, rewards, group_size):
+    """Mean and std of completion lengths, and the within-group Pearson correlation of length and
+    reward: both centred on their group's mean, then correlated over all rows, so a prompt that is
+    both long and easy does not count. 0 when no group varies in both. [N], [N] -> dict"""
+    x = lengths.double().reshape(-1, group_size)                            # [B, G]
+    y = rewards.double().reshape(-1, group_size)                            # [B, G]
+    x, y = x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True)      # centred within each group
+    denom = (x.pow(2).sum() * y.pow(2).sum()).sqrt()
+    corr = (x * y).sum() / denom if denom > 0 else torch.tensor(0.0)
+    return {"length_reward_corr": corr.item(), "len_mean": lengths.double().mean().item(),
+            "len_std": lengths.double().std().item() if lengths.numel() > 1 else 0.0}
+
+
+def diversity(completion_ids, completion_mask, completions):
+    """distinct-1/2 (unique n-grams / all n-grams over the batch's tokens), repeat_4gram (share of a
+    completion's 4-grams already seen earlier in it, over all 4-grams) and first_line_share (share of
+    completions whose first line is the batch's most common one). ids/mask [N, T], completions [N] str."""
+    rows = [ids[m].tolist() for ids, m in zip(completion_ids, completion_mask)]
+    out = {}
+    for n in (1, 2):
+        grams = [tuple(r[i:i + n]) for r in rows for i in range(len(r) - n + 1)]
+        out[f"distinct_{n}"] = len(set(grams)) / len(grams) if grams else 0.0
+    repeats = total = 0
+    for r in rows:
+        seen = set()
+        for i in range(len(r) - 3):
+            gram = tuple(r[i:i + 4])
+            repeats += gram in seen
+            seen.add(gram)
+            total += 1
+    out["repeat_4gram"] = repeats / total if total else 0.0
+    first_lines = Counter(c.strip().split("\n", 1)[0].strip() for c in completions)
+    out["first_line_share"] = first_lines.most_common(1)[0][1] / len(completions) if completions else 0.0
+    return out
+
+
+def collapse_flags(metrics, previous):
+    """diversity/KEY_drop or diversity/KEY_rise = 1.0 for each diversity number of an iteration's
+    metrics (iteration_metrics' names) that jumped since the previous iteration's, and
+    diversity/collapse = 1.0 if any did."""
+    if previous is None:
+        return {"diversity/collapse": 0.0}
+    now, before = ({k: m[f"diversity/{k}"] for k in DIVERSITY_KEYS} for m in (metrics, previous))
+    flags = {}
+    for key in ("distinct_1", "distinct_2"):
+        flags[f"diversity/{key}_drop"] = float(now[key] < (1 - COLLAPSE_DISTINCT_DROP) * before[key])
+    for key in ("repeat_4gram", "first_line_share"):
+        flags[f"diversity/{key}_rise"] = float(now[key] > before[key] + COLLAPSE_RISE)
+    flags["diversity/collapse"] = float(any(flags.values()))
+    return flags
+
+
+def batch_report(rollouts, rewards, completions, group_size):
+    """train.py --check's lines: the reward spread, then reward, length and diversity of the batch."""
+    lengths = length_stats(rollouts["completion_mask"].sum(-1), rewards, group_size)
+    div = diversity(rollouts["completion_ids"], rollouts["completion_mask"], completions)
+    return spread_report(reward_spread(rewards, group_size), group_size) + [
+        f"reward mean {rewards.mean().item():.3f}; length mean {lengths['len_mean']:.1f} std "
+        f"{lengths['len_std']:.1f}, within-group length-reward correlation "
+        f"{lengths['length_reward_corr']:+.2f}; "
+        + ", ".join(f"{k} {v:.2f}" for k, v in div.items())]
+
+
+def logprob_mismatch(logp, old_logp, mask):
+    """max and sum of |log π_θ − log π_old| over completion tokens, so that micro-batches and ranks
+    can be combined (the mean is the sum over their token count). [n, T] -> (float, float)"""
+    diff = (logp.detach() - old_logp).abs()[mask].double()                 # [tokens]
+    return diff.max().item(), diff.sum().item()
+
+
+def mismatch_warning(max_diff, mean_diff):
+    """The warning to print when the first minibatch is not on-policy, or None."""
+    if mean_diff <= MISMATCH_WARN_MEAN and max_diff <= MISMATCH_WARN_MAX:
+        return None
+    return (f"WARNING: before any step |log π_θ − log π_old| is {mean_diff:.3g} on average, "
+            f"{max_diff:.3g} at most (on-policy it is ~0): the trainer does not compute what the sampler "
+            f"did. Check that --model is the policy that sampled the rollouts, that τ matches the sampling "
+            f"temperature, and the dtype/padding.")
+
+
+BETA_ZERO_WARNING = ("WARNING: β = 0: no KL penalty holds the policy near π_ref. The source article "
+                     "saw such runs collapse into repetition within a few updates; watch diversity/ and the "
+                     "eval/ comparison with the reference, or set --beta (0.01 is the default) and retune "
+                     "--lr with it.")

@@ -1,0 +1,67 @@
+"""Held-out evaluation: the policy and the reference answer the same prompts greedily, side by side
+in eval/iter_XXXX.jsonl, and their rewards are logged under eval/."""
+
+import os
+
+import torch
+from transformers import GenerationConfig
+
+from grpo import files, modeling
+
+
+@torch.inference_mode()
+def greedy_answers(model, tokenizer, records, score, max_new_tokens):
+    """Greedy completions of the prompt records and their rewards: (texts, completions, rewards [n],
+    lengths [n]). transformers' generate does the decoding: no log-probs are needed here, and the
+    explicit config keeps a model's own generation settings (sampling, penalties) out of it.
+    `score(rows, rollouts)` returns one reward per row, as score.py would."""
+    device = next(model.parameters()).device
+    texts, token_lists = modeling.render_prompts(records, tokenizer, "held-out prompts", None)
+    prompt_ids, prompt_mask = modeling.left_pad(token_lists, tokenizer.pad_token_id)        # [n, P]
+    eos = modeling.eos_token_ids(tokenizer, model)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.long().to(device),
+                         generation_config=config)
+    ids = out[:, prompt_ids.shape[1]:].cpu()                                                # [n, T]
+    is_eos = torch.isin(ids, torch.tensor(eos))                                             # [n, T]
+    mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0          # up to and including the first EOS
+    completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(records))]
+    rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b]}
+            for b, record in enumerate(records)]
+    rollouts = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
+    return texts, completions, score(rows, rollouts), mask.sum(-1).float()
+
+
+class HeldOut:
+    """The policy's greedy answers beside the reference's. The reference never changes, so its answers
+    are computed once per process: from the policy itself at step 0 when β = 0 keeps no reference
+    model in memory, else from the reference model (loaded from `ref_dir` if need be)."""
+
+    def __init__(self, records, tokenizer, score, max_new_tokens, run_dir, trust_remote_code=False):
+        self.records, self.tokenizer, self.score = records, tokenizer, score
+        self.max_new_tokens, self.run_dir, self.trust_remote_code = max_new_tokens, run_dir, trust_remote_code
+        self.reference = None
+
+    def __call__(self, policy, ref_model, ref_dir, step):
+        """Writes eval/iter_{step}.jsonl and returns the eval/ metrics."""
+        answers = greedy_answers(policy, self.tokenizer, self.records, self.score, self.max_new_tokens)
+        if self.reference is None and ref_model is None and step == 0:
+            self.reference = answers
+        elif self.reference is None:
+            device = next(policy.parameters()).device
+            ref_model = ref_model or modeling.load_model(ref_dir, device, self.trust_remote_code)
+            self.reference = greedy_answers(ref_model, self.tokenizer, self.records, self.score,
+                                            self.max_new_tokens)
+        texts, completions, rewards, lengths = answers
+        _, ref_completions, ref_rewards, ref_lengths = self.reference
+        rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b],
+                 "reward": rewards[b].item(), "ref_completion": ref_completions[b],
+                 "ref_reward": ref_rewards[b].item()} for b, record in enumerate(self.records)]
+        os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
+        files.write_jsonl(os.path.join(self.run_dir, "eval", f"iter_{step:04d}.jsonl"), rows)
+        return {"eval/reward_mean": rewards.mean().item(), "eval/ref_reward_mean": ref_rewards.mean().item(),
+                "eval/completion_len": lengths.mean().item(),
+                "eval/ref_completion_len": ref_lengths.mean().item(),
+                "eval/same_as_ref": sum(c == r for c, r in zip(completions, ref_completions)) / len(rows),
+                "eval/num_prompts": len(rows)}

@@ -1,0 +1,242 @@
+"""Files between stages: schemas, checked loading, atomic writes, JSON and JSON lines.
+
+Every file is written to a temporary name beside its path, fsynced and renamed, so a file that
+exists is complete; folders are swapped with two renames that the next reader undoes if a kill
+fell between them. FORMATS.md describes every key.
+"""
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from grpo.cli import StageError
+
+# Each schema maps key -> (kind, allowed shapes, required). kind is "int" (int64), "float"
+# (float32) or "bool" (bool, or integers that are all 0/1). Shape letters are bound once per
+# file, so every [N, ...] key must agree on N.
+ROLLOUTS = ("rollouts/1", {
+    "prompt_ids": ("int", [("N", "P")], True),
+    "prompt_mask": ("bool", [("N", "P")], True),
+    "completion_ids": ("int", [("N", "T")], True),
+    "completion_mask": ("bool", [("N", "T")], True),
+    "group_ids": ("int", [("N",)], True),
+    "old_logprobs": ("float", [("N", "T")], True),
+    "ref_logprobs": ("float", [("N", "T")], False),
+    "truncated": ("bool", [("N",)], True),
+})
+REWARDS = ("rewards/1", {
+    "rewards": ("float", [("N",)], True),
+    "group_ids": ("int", [("N",)], True),
+    "lengths": ("int", [("N",)], False),
+    "skipped": ("bool", [("N",)], False),
+})
+ADVANTAGES = ("advantages/1", {
+    "advantages": ("float", [("N",), ("N", "T")], True),
+    "group_ids": ("int", [("N",)], True),
+})
+
+_DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
+
+
+def save_tensors(path, tensors, schema, args):
+    """Write `tensors` with metadata {"schema", "args"} through safetensors' own writer; the file
+    appears complete or not at all."""
+    metadata = {"schema": schema, "args": json.dumps(args, sort_keys=True, default=str)}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, tmp, metadata)
+
+
+def load_tensors(path, spec):
+    """Read a stage file and check it against `spec`; return (tensors, args, dims).
+
+    Only the schema's keys come back, masks as bool. A file without a "schema" entry (for example
+    one written by hand with safetensors' save_file) is accepted; one with a different schema is not.
+    """
+    schema, keys = spec
+    if not os.path.isfile(path):
+        raise StageError(f"{path}: no such file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k in keys}
+    except Exception as e:  # safetensors raises several types for a damaged file; all mean the same
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StageError(f"{path}: not a readable safetensors file ({reason})") from None
+    found = metadata.get("schema")
+    if found is not None and found != schema:
+        raise StageError(f"{path}: expected a {schema} file, found schema {found!r}")
+    try:
+        args = json.loads(metadata.get("args", "{}"))
+    except json.JSONDecodeError:
+        raise StageError(f"{path}: the 'args' metadata is not JSON") from None
+
+    dims = {}
+    for key, (kind, shapes, required) in keys.items():
+        if key not in tensors:
+            if required:
+                raise StageError(f"{path}: missing key '{key}' ({kind}, shape {_fmt(shapes)})")
+            continue
+        t = tensors[key]
+        if kind == "bool" and t.dtype != torch.bool and not t.is_floating_point() and not t.is_complex():
+            if ((t != 0) & (t != 1)).any():
+                raise StageError(f"{path}: '{key}' must hold only 0/1 (or be bool)")
+            t = tensors[key] = t.bool()
+        if t.dtype != _DTYPES[kind]:
+            raise StageError(f"{path}: '{key}' has dtype {str(t.dtype).removeprefix('torch.')}, expected "
+                             f"{str(_DTYPES[kind]).removeprefix('torch.')}")
+        if not any(_bind(shape, t.shape, dims) for shape in shapes):
+            known = ", ".join(f"{k}={v}" for k, v in dims.items()) or "no sizes known yet"
+            raise StageError(f"{path}: '{key}' has shape {list(t.shape)}, "
+                             f"expected {_fmt(shapes)} with {known}")
+        if dims.get("N") == 0:
+            raise StageError(f"{path}: '{key}' has no rows (N = 0)")
+        if kind == "float" and not torch.isfinite(t).all():
+            bad = torch.nonzero(~torch.isfinite(t).reshape(t.shape[0], -1).all(-1)).flatten()
+            raise StageError(f"{path}: '{key}' is NaN or infinite in rows {format_rows(bad)}")
+    return tensors, args, dims
+
+
+def _bind(shape, actual, dims):
+    if len(shape) != len(actual):
+        return False
+    trial = dict(dims)
+    for name, size in zip(shape, actual):
+        if trial.setdefault(name, size) != size:
+            return False
+    dims.update(trial)
+    return True
+
+
+def _fmt(shapes):
+    return " or ".join("[" + ", ".join(s) + "]" for s in shapes)
+
+
+def format_rows(idx, limit=10):
+    idx = [int(i) for i in idx]
+    return ", ".join(map(str, idx[:limit])) + (f" (and {len(idx) - limit} more)" if len(idx) > limit else "")
+
+
+def check_groups(group_ids, path):
+    """Check that each group's rows are contiguous and all groups have one size; return (B, G)."""
+    n = group_ids.numel()
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = group_ids[1:] != group_ids[:-1]
+    run_ids = group_ids[starts]                                   # [B] one id per contiguous run
+    if run_ids.unique().numel() != run_ids.numel():
+        raise StageError(f"{path}: 'group_ids' are not contiguous (a group's rows must be adjacent)")
+    sizes = torch.diff(torch.nonzero(starts).flatten(), append=torch.tensor([n]))
+    if (sizes != sizes[0]).any():
+        raise StageError(f"{path}: groups have unequal sizes {sorted(set(sizes.tolist()))}; "
+                         f"every group needs G rows")
+    return run_ids.numel(), int(sizes[0])
+
+
+# ----------------------------------------------------------------------------------------
+# Atomic writes
+
+@contextmanager
+def atomic_path(path):
+    """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds.
+
+    A full disk or a read-only folder is a one-line error, and `path` keeps its previous content.
+    """
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        raise StageError(f"{path}: cannot write ({e.strerror or e}); "
+                         f"the previous file, if any, is unchanged") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def fsync_dir(path):
+    """Make a rename in `path` durable (a crash after it cannot bring the old name back)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_dir(src, dst):
+    """Move folder `src` to `dst`; an existing `dst` is kept as `dst.old` until the move is done, and
+    recover_dir() puts it back if a kill lands between the two renames."""
+    dst = dst.rstrip("/")
+    old = dst + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(dst):
+        os.rename(dst, old)
+    os.rename(src, dst)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_dir(path):
+    """Undo a replace_dir() cut short between its renames: `path` is missing and `path.old` holds it."""
+    path = path.rstrip("/")
+    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+        try:
+            os.rename(path + ".old", path)
+        except OSError:
+            if not os.path.isdir(path):                          # another rank of torchrun got there first
+                raise
+
+
+# ----------------------------------------------------------------------------------------
+# JSON and JSON lines
+
+def write_jsonl(path, records):
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def write_json(path, obj):
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+def read_json(path):
+    """A JSON file this project wrote (config, state, metrics); a damaged one is a one-line error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise StageError(f"{path}: not a readable JSON file ({e})") from None
+
+
+def read_jsonl(path):
+    """Records of a JSON-lines file; blank lines are skipped, anything else must be a JSON object."""
+    if not os.path.isfile(path):
+        raise StageError(f"{path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise StageError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                kind = type(record).__name__
+                raise StageError(f"{path}, line {lineno}: expected a JSON object, got {kind}")
+            records.append(record)
+    if not records:
+        raise StageError(f"{path}: the file holds no records")
+    return records

@@ -1,0 +1,189 @@
+"""Models and tokenizers from local folders, EOS ids, prompts to token ids, per-token log-probs.
+
+`completion_logprobs` is the one definition of a completion token's log-prob: sample.py applies
+it to the reference model, update.py to the policy it trains, and the sampler takes log π_old from
+the same `logprobs_from_logits`, so π_old, π_ref and π_θ are computed the same way.
+"""
+
+import os
+
+import torch
+
+from grpo.cli import StageError
+from grpo.files import recover_dir
+
+
+def load_tokenizer(path, trust_remote_code=False):
+    """Tokenizer from a local folder, left-padding; a missing pad token falls back to EOS (or UNK)."""
+    from transformers import AutoTokenizer
+
+    _check_model_dir(path)
+    quiet_transformers()
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise StageError(f"{path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from None
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        # Padding never decides the completion mask here, so any id will do.
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    if tok.pad_token is None:
+        raise StageError(f"{path}: the tokenizer has no pad, EOS or UNK token to pad with")
+    return tok
+
+
+def load_model(path, device, trust_remote_code=False, auto_class=None):
+    """A causal LM from a local folder, float32, in eval mode (no dropout: ratios must be 1 on-policy).
+
+    Only safetensors weights are read: a folder with nothing but pytorch_model.bin (a pickle, which
+    can run code when loaded) is refused. A model's own Python code runs only with trust_remote_code.
+    """
+    from transformers import AutoModelForCausalLM
+
+    _check_model_dir(path)
+    quiet_transformers()
+    try:
+        model = (auto_class or AutoModelForCausalLM).from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+    except (OSError, ValueError) as e:
+        raise StageError(f"{path}: cannot load a model ({str(e).splitlines()[0]}); only safetensors weights "
+                         f"are read, never pickle") from None
+    return model.to(device).eval()
+
+
+def quiet_transformers():
+    """Our own progress bars and messages say what is happening; keep transformers' loading bars out."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def _check_model_dir(path):
+    recover_dir(path)                     # a checkpoint swap cut short by a kill
+    if not os.path.isdir(path):
+        raise StageError(f"{path}: no such model folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise StageError(f"{path}: not a Hugging Face model folder (no config.json)")
+
+
+def eos_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(source)
+    if not ids:
+        raise StageError("the tokenizer and model define no EOS token, so completions could never end")
+    return sorted(ids)
+
+
+# ----------------------------------------------------------------------------------------
+# Prompts to token ids
+
+def render_prompts(records, tokenizer, path, max_len, first_index=0):
+    """The text the model sees and its token ids, one per prompt record.
+
+    "messages" (a chat) is rendered with the tokenizer's chat template and the generation prompt,
+    and already holds the special tokens; a "prompt" string gets the tokenizer's own (BOS, if any).
+    """
+    texts, ids = [], []
+    for i, record in enumerate(records, first_index):
+        where = f"{path}, record {i}"
+        if "messages" in record:
+            chat = record["messages"]
+            if not (isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(
+                    m.get("role"), str) and isinstance(m.get("content"), str) for m in chat)):
+                raise StageError(f"{where}: 'messages' must be a non-empty list of "
+                                 f'{{"role": str, "content": str}} objects')
+            if tokenizer.chat_template is None:
+                raise StageError(f"{where}: has 'messages' but the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(record.get("prompt"), str):
+            text = record["prompt"]
+            tokens = tokenizer(text)["input_ids"]
+        else:
+            raise StageError(f"{where}: needs 'prompt' (a string) or 'messages' (a list of chat turns)")
+        if not tokens:
+            raise StageError(f"{where}: the prompt is empty")
+        if max_len is not None and len(tokens) > max_len:
+            raise StageError(f"{where}: the prompt has {len(tokens)} tokens; with --max-new-tokens "
+                             f"it must fit the model's context, so at most {max_len}")
+        texts.append(text)
+        ids.append(tokens)
+    return texts, ids
+
+
+def left_pad(token_lists, pad_id):
+    """Token lists as prompt_ids [B, P] and prompt_mask [B, P], padded on the left."""
+    P = max(len(t) for t in token_lists)
+    prompt_ids = torch.full((len(token_lists), P), pad_id, dtype=torch.long)         # [B, P]
+    prompt_mask = torch.zeros((len(token_lists), P), dtype=torch.bool)               # [B, P]
+    for i, t in enumerate(token_lists):
+        prompt_ids[i, P - len(t):] = torch.tensor(t, dtype=torch.long)
+        prompt_mask[i, P - len(t):] = True
+    return prompt_ids, prompt_mask
+
+
+# ----------------------------------------------------------------------------------------
+# Per-token log-probs
+
+def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
+    """log softmax(logits / τ) at `tokens`, via logsumexp and gather (no [.., V] log-softmax kept).
+
+    logits [..., V], tokens [...] -> [...], in float32 whatever the forward pass ran in. With
+    `with_entropy`, also the entropy of each distribution (detached: a metric), from the same z.
+    """
+    z = logits.float() / temperature                                             # [..., V]
+    lse = z.logsumexp(-1)                                                        # [...]
+    logp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse                  # [...]
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        p = (z - lse.unsqueeze(-1)).exp_()                                       # [..., V] softmax(z)
+        entropy = lse - torch.einsum("...v,...v->...", p, z)                     # H = lse − Σ p z
+    return logp, entropy
+
+
+def autocast(device):
+    """bf16 autocast for forward passes on a GPU (log-probs stay float32); nothing on a CPU."""
+    device = torch.device(device)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                        with_entropy=False):
+    """Per-token log-probs of the completions under `model` at temperature τ, 0 where the mask is false.
+
+    prompt_ids/prompt_mask [n, P] (left-padded), completion_ids/completion_mask [n, T].
+    Returns logp [n, T] and, with `with_entropy`, the entropy of each next-token distribution [n, T]
+    (detached: it is a metric). Position ids count real tokens only, so left padding does not move them.
+    """
+    T_full = completion_ids.shape[1]
+    # Padding columns that no row uses cost compute and change nothing: drop them, pad back at the end.
+    first = int(prompt_mask.any(0).long().argmax())
+    T = int(completion_mask.any(0).nonzero().max()) + 1 if completion_mask.any() else 1
+    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]                 # [n, P']
+    completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]         # [n, T']
+
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                   # [n, P'+T']
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()     # [n, P'+T']
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                  # [n, P'+T']
+    # Only the last T'+1 positions' logits are needed; the last one predicts past the end.
+    with autocast(input_ids.device):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]      # [n, T', V]
+    out = logprobs_from_logits(logits, completion_ids, temperature, with_entropy)
+    logp, entropy = out if with_entropy else (out, None)                         # [n, T']
+    logp = pad_columns(logp.masked_fill(~completion_mask, 0.0), T_full)          # [n, T]
+    if not with_entropy:
+        return logp
+    return logp, pad_columns(entropy.masked_fill(~completion_mask, 0.0), T_full)
+
+
+def pad_columns(x, width, value=0.0):
+    """Right-pad x [n, t] with `value` to [n, width]."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
