@@ -5,7 +5,7 @@ other samples for the same prompt, and the scale is their spread (DeepSeekMath, 
 
     A_i = (r_i − mean(r_group)) / (std(r_group) + ε)        every token of o_i gets A_i
 
-Reads   --rewards FILE  rewards.safetensors (rewards [N] f32, group_ids [N] i64)
+Reads   --rewards FILE  rewards.safetensors: rewards [N] f32, group_ids [N] i64 (lengths [N] i64)
 Writes  --out FILE      advantages.safetensors (schema advantages/1; FORMATS.md)
             advantages [N] f32   one value per completion
             group_ids [N] i64    copied through
@@ -26,16 +26,8 @@ Conventions (FORMATS.md):
   1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
 - Arithmetic is in float64; the file holds float32.
 
-Estimators (--estimator):
-- grpo:    (r − mean) / (std + ε)                     DeepSeekMath (Shao et al., 2024)
-- dr_grpo: r − mean, no division by std                Dr. GRPO (Liu et al., 2025, "Understanding
-                                                        R1-Zero-Like Training")
-- rloo:    r_i − mean of the other G − 1 rewards       RLOO (Ahmadian et al., 2024);
-                                                        equals G/(G−1)·(r − mean)
-- batch:   (r − mean(all N)) / (std(all N) + ε)        ablation only: ignores the groups, which the
-                                                        source article calls the most serious error
+The variants papers compare are --estimator dr_grpo, rloo and batch (see --help and README).
 """
-
 
 import argparse
 import math

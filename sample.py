@@ -22,15 +22,11 @@ Choices where the paper and FORMATS.md are silent:
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
 - completion_mask is true up to and including the first EOS (any of the tokenizer's and the
-  model's EOS ids) and false after it; it never looks at the pad id, which a model may sample as
-  an ordinary token. Ids after the first EOS are set to the pad id; T is trimmed to the longest
-  completion.
-- A "prompt" string is tokenized with the tokenizer's own special tokens (BOS, if it adds one);
-  a rendered chat already holds them and gets none added.
-- All rows are sampled from one seeded generator in --micro-batch-size chunks, so a sample is
-  reproducible for a given seed and micro-batch size.
-- Under torchrun, rank r samples a contiguous share of whole groups from a generator seeded with
-  distributed.rank_seed(seed, r) (rank 0 keeps the seed), and rank 0 writes every row in group order.
+  model's EOS ids); it never looks at the pad id, which a model may sample as an ordinary token.
+  Ids after the first EOS are the pad id; T is trimmed to the longest completion.
+- All rows are sampled from one seeded generator in --micro-batch-size chunks: a sample is
+  reproducible for a given seed and micro-batch size. Under torchrun rank r samples a contiguous
+  share of whole groups with the seed distributed.rank_seed(seed, r), and rank 0 writes them all.
 """
 
 import argparse
@@ -46,31 +42,21 @@ from grpo.cli import ArgumentParser, StageError, run_cli
 
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="policy π_old (π_θ before this iteration's update): HF checkpoint folder")
-    p.add_argument("--prompts", required=True,
-                   help="JSON-lines prompt file ('prompt' or 'messages' per record)")
+    p.add_argument("--model", required=True, help="policy π_old (π_θ before this update): HF folder")
+    p.add_argument("--prompts", required=True, help="JSON-lines prompts ('prompt' or 'messages' per record)")
     p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
     p.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="B: prompts to use (default: every record from --start)")
+    p.add_argument("--num-prompts", type=int, default=None, help="B: prompts (default: all from --start)")
     p.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="L_max: completion length limit in tokens (default 128)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="τ: sampling temperature; log-probs use the same τ (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit (128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--ref-model", default=None,
-                   help="π_ref: frozen reference model folder; writes ref_logprobs for the β·KL term")
-    p.add_argument("--micro-batch-size", type=int, default=0,
-                   help="rows per forward pass (default 0: all N rows at once)")
+    p.add_argument("--ref-model", default=None, help="π_ref: frozen reference model folder, for ref_logprobs")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
     p.add_argument("--ignore-eos", action="store_true",
-                   help="for benchmarks: EOS does not end a completion, so every one has L_max tokens\n"
-                        "(vLLM's ignore_eos; the mask is then true everywhere)")
+                   help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the model folders run their own Python code\n"
-                        "(default off: it is code from the folder)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let model folders run their own code")
     return p
 
 

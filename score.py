@@ -3,36 +3,25 @@
 Reads   --rollouts FILE  rollouts.safetensors: group_ids [N], completion_ids and completion_mask [N, T]
         --samples FILE   samples.jsonl (N rows: prompt, completion, and the prompt record's fields)
 Writes  --out FILE       rewards.safetensors (schema rewards/1; FORMATS.md)
-            rewards [N] f32     the weighted sum Σ_k w_k · r_k of the reward functions
-            group_ids [N] i64   copied from the rollouts, so advantage.py needs only this file
-            reward/NAME [N] f32 each function's reward before weighting
+            rewards [N] f32      the weighted sum Σ_k w_k · r_k of the reward functions
+            group_ids [N] i64    copied from the rollouts, so advantage.py needs only this file
+            reward/NAME [N] f32  each function's reward before weighting
+            lengths [N] i64      |o|, completion_mask's count (for --length-strata and diagnostics)
 
 Example:
     python score.py --rollouts it0/rollouts.safetensors --samples it0/samples.jsonl \\
-        --reward exact_answer my_rewards.py:brevity --reward-weights 1.0 0.1 \\
-        --out it0/rewards.safetensors
+        --reward exact_answer my_rewards.py:brevity --reward-weights 1.0 0.1 --out it0/rewards.safetensors
 
-A --reward SPEC is one of
-- a built-in rule reward by name (grpo/tasks.py: exact_answer);
-- `module:function` or `path/to/file.py:function`, a user function with TRL's reward signature
-  `f(prompts, completions, **fields) -> list[float]`; `fields` holds every other column of
-  samples.jsonl as a list (e.g. answer, group) and `completion_ids` (token ids up to the mask);
-- a local folder holding a Hugging Face sequence-classification reward model with one output.
-  It reads the rendered prompt followed by the completion, or, when the record has "messages"
-  and the reward model's tokenizer has a chat template, the chat with the completion as the
-  assistant's reply.
+A --reward SPEC is a built-in rule reward (grpo/tasks.py), `module:function` or `file.py:function`
+with TRL's signature f(prompts, completions, **fields) -> list[float] (fields: every other column
+of samples.jsonl as a list, and completion_ids), or a folder holding a sequence-classification
+reward model with one output, which reads the prompt and the completion (as the assistant's turn
+after the record's "messages" when its tokenizer has a chat template).
 
 Every reward must be a finite number: None, NaN or ±inf is an error naming the rows, unless
---on-reward-error skip gives those rows their group's mean of the valid rows (recorded in
-`skipped` [N] bool). The file also holds `lengths` [N] i64, |o| of each completion (the
-completion_mask's count, first EOS included), for advantage.py --length-strata and diagnostics.
-
-Length terms from |o| and L_max = max_new_tokens, each added with weight 1, kept as a component:
---overlong-buffer L (DAPO's soft overlong punishment, reward/overlong) and --length-penalty α
-(reward/length = −α·|o|/L_max, against a reward that favours long answers).
-
-Under torchrun each rank scores a contiguous share of whole groups (a reward function then sees
-only that share's rows) and rank 0 writes all of them in order.
+--on-reward-error skip gives those rows their group's mean of the valid rows (`skipped` [N] bool).
+--overlong-buffer (DAPO) and --length-penalty add length terms, each with weight 1 and kept as a
+component. Under torchrun each rank scores a contiguous share of whole groups; rank 0 writes.
 """
 
 import importlib
@@ -53,32 +42,27 @@ def build_parser():
     p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py")
     p.add_argument("--samples", required=True, help="samples.jsonl from sample.py")
     p.add_argument("--reward", required=True, nargs="+", action="extend", metavar="SPEC",
-                   help=f"r: reward function(s): a built-in name ({', '.join(tasks.REWARDS)}),\n"
-                        "module:function, path/file.py:function, or a reward-model folder;\n"
-                        "repeat or list several")
+                   help=f"r: reward function(s): a built-in name ({', '.join(tasks.REWARDS)}), "
+                        "module:function,\npath/file.py:function, or a reward-model folder")
     p.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
                    help="w_k: one weight per --reward; r = Σ_k w_k r_k (default: all 1.0)")
     p.add_argument("--overlong-buffer", type=int, default=0, metavar="L",
-                   help="DAPO's overlong reward shaping (Yu et al. 2025), added as reward/overlong: with\n"
-                        "L_max = max_new_tokens, 0 up to L_max − L tokens, linear down to −1 at L_max,\n"
-                        "−1 beyond (default 0: off)")
+                   help="L: DAPO's overlong reward shaping (Yu et al. 2025), reward/overlong: 0 up to\n"
+                        "L_max − L tokens, linear down to −1 at L_max (default 0: off)")
     p.add_argument("--length-penalty", type=float, default=0.0, metavar="α",
-                   help="α: add reward/length = −α·|o|/L_max, against a reward that prefers long\n"
-                        "answers (the source article's first remedy for length bias; default 0: off)")
+                   help="α: add reward/length = −α·|o|/L_max, the source article's first remedy for a\n"
+                        "reward that prefers long answers (default 0: off)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="L_max for --overlong-buffer and --length-penalty (default: the rollouts' metadata)")
+                   help="L_max of the length terms (default: the rollouts' metadata)")
     p.add_argument("--on-reward-error", default="fail", choices=["fail", "skip"],
-                   help="when a reward function raises, returns the wrong length, or gives None/NaN/inf:\n"
+                   help="a reward that raises, returns the wrong length, or gives None/NaN/inf:\n"
                         "fail: stop with an error naming the reward and rows (default)\n"
-                        "skip: give those rows their group's mean of the valid rows (advantage 0 under\n"
-                        "grpo, so they teach nothing), record them in 'skipped', and warn")
+                        "skip: give those rows their group's mean of the valid rows, record them in\n"
+                        "'skipped', and warn")
     p.add_argument("--out", required=True, help="output rewards.safetensors")
-    p.add_argument("--micro-batch-size", type=int, default=0,
-                   help="rows per reward-model forward pass (default 0: all)")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model pass (default: all)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let a reward-model folder run its own Python code\n"
-                        "(default off: it is code from the folder)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let a reward-model folder run its code")
     return p
 
 
@@ -137,7 +121,7 @@ def load_user_function(spec):
 
 
 def reward_model_function(path, device, micro_batch_size, trust_remote_code=False):
-    """A TRL-style reward function backed by a sequence-classification model with one output."""
+    """A reward function with TRL's signature, backed by a sequence-classification model."""
     from transformers import AutoModelForSequenceClassification
 
     tokenizer = modeling.load_tokenizer(path, trust_remote_code)
@@ -161,8 +145,7 @@ def reward_model_function(path, device, micro_batch_size, trust_remote_code=Fals
         scores = []
         for rows in distributed.row_slices(len(texts), micro_batch_size):
             batch = tokenizer(texts[rows], return_tensors="pt", padding=True, add_special_tokens=False)
-            batch = batch.to(device)
-            scores.append(model(**batch).logits[:, 0].float().cpu())                       # [n]
+            scores.append(model(**batch.to(device)).logits[:, 0].float().cpu())             # [n]
         return torch.cat(scores).tolist()
 
     return reward_model
@@ -272,8 +255,7 @@ def length_shaping(rewards, components, lengths, args):
 
 
 def write_rewards(path, rewards, group_ids, components, args, lengths=None, skipped=None):
-    tensors = {"rewards": rewards, "group_ids": group_ids,
-               **{f"reward/{k}": v for k, v in components.items()}}
+    tensors = {"rewards": rewards, "group_ids": group_ids, **{f"reward/{k}": c for k, c in components.items()}}
     if lengths is not None:
         tensors["lengths"] = lengths
     if skipped is not None and skipped.any():

@@ -2,31 +2,24 @@
 process of torchrun).
 
     python train.py                  # SmolLM2-135M-Instruct on two-digit sums (about 15 min, 2 CPU cores)
-    python train.py --config tiny    # a small Llama learning a toy task from scratch (about a minute)
+    python train.py --config tiny    # a tiny Llama learning a toy task from scratch (about a minute)
     python train.py --check          # sample the first batch, report its reward spread, write nothing
     python train.py --run-dir runs/default --resume --iterations 30     # continue a run
     torchrun --nproc_per_node 8 train.py --config gpu [--fsdp]          # one node, 8 GPUs
 
-Models stay in memory between stages, but every stage's file is written by that stage's own
-functions, with the namespace that stage's own parser builds from the run's configuration (a
-field and a stage flag of the same name are one setting), so any iteration can be re-run one
-stage at a time from its files (iter_XXXX/replay.sh). The run folder is in FORMATS.md.
+Models stay in memory between stages, but each stage's namespace is built by that stage's own
+parser from the run's configuration (a field and a stage flag of one name are one setting), and
+its files are written by its own functions, so any iteration can be re-run one stage at a time
+(iter_XXXX/replay.sh). The run folder is described in FORMATS.md.
 
-Under torchrun every rank samples and scores its share of the groups and gets all rows back,
-every rank computes the same advantages, update.py splits each minibatch across the ranks (DDP,
-or FSDP2 with --fsdp, where a full copy of the policy samples), and rank 0 alone writes files,
-logs and evaluates.
+Every draw of iteration i comes from generators seeded from (seed, i): the records it sees (a
+seeded shuffle per pass over them), the sampler, the minibatch shuffle. No RNG state crosses
+iterations, so the policy and AdamW's state, saved every --save-every iterations, are all a resume
+needs: --resume recomputes the iterations since the last save, bit for bit on a CPU.
 
 --dynamic-sampling (DAPO) lives here because it needs rewards to decide what to sample: the
-files then hold the informative groups of up to --max-sample-rounds rounds (round r of iteration
-i uses the records and seed of slot i·R + r), and no replay.sh.
-
-Randomness and resume: every draw of iteration i comes from generators seeded from (seed, i): the
-order of the training records (a seeded shuffle per pass over them), the sampler, the minibatch
-shuffle. No RNG state crosses iterations, so the policy and AdamW's state are all a resume needs.
-They are saved every --save-every iterations (1.6 GB for the default model, in the background);
---resume restarts after the last save and recomputes the iterations since, which gives the same
-files and weights as a run that was never stopped (bit for bit on a CPU).
+files then hold the informative groups of up to R = --max-sample-rounds rounds (round r of
+iteration i uses the records and seed of slot i·R + r), and no replay.sh is written.
 """
 
 import dataclasses
@@ -94,13 +87,12 @@ class Config:
     trust_remote_code: bool = knob(False, "let model folders run their own Python code")
     fsdp: bool = knob(False, "under torchrun: update with FSDP2 instead of DDP")
 
-
 CONFIGS = {
     "default": Config(),
-    "tiny": Config(model="tiny", task="char_classes", iterations=30, num_prompts=8, group_size=8, max_new_tokens=8,
-                   temperature=1.0, lr=3e-3, eval_every=10, eval_prompts=12, save_every=10),
+    "tiny": Config(model="tiny", task="char_classes", iterations=30, num_prompts=8, group_size=8,
+                   max_new_tokens=8, temperature=1.0, lr=3e-3, eval_every=10, eval_prompts=12),
     # For a GPU: more prompts, longer answers, more iterations; the same code path.
-    "gpu": Config(iterations=200, num_prompts=32, group_size=16, max_new_tokens=128, lr=1e-5, eval_every=20,
+    "gpu": Config(iterations=200, num_prompts=32, group_size=16, max_new_tokens=128, eval_every=20,
                   eval_prompts=200, save_every=50),
 }
 # What --resume may change: nothing that alters the iterations already done.
@@ -109,70 +101,65 @@ STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "up
 
 
 def parse_args(argv=None):
+    """The run's configuration: a named config with flags on top or, with --resume, the saved one."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="default", choices=list(CONFIGS), help="named configuration (default: default)")
+    p.add_argument("--config", default="default", choices=list(CONFIGS), help="named configuration")
     p.add_argument("--run-dir", default=None, help="run folder (default: runs/CONFIG)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last save")
     p.add_argument("--check", action="store_true",
-                   help="sample and score the first batch, report the reward spread and diversity, write nothing")
+                   help="sample and score the first batch, report its reward spread, write nothing")
     for f in dataclasses.fields(Config):
         flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: from --config)"
         if f.type is bool:
             p.add_argument(flag, action="store_true", default=None, help=text)
         else:
-            p.add_argument(flag, type=str if f.type is list else f.type, nargs="+" if f.type is list else None,
-                           default=None, help=text)
+            p.add_argument(flag, type=str if f.type is list else f.type, default=None, help=text,
+                           nargs="+" if f.type is list else None)
     args = p.parse_args(argv)
-    return args, {k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None}
-
-
-def resolve_config(args, overrides):
-    """The run's configuration: a named config with flags on top, or, with --resume, the saved one."""
+    overrides = {k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None}
     run_dir = args.run_dir or os.path.join("runs", args.config)
     if args.resume:
         if not os.path.isfile(os.path.join(run_dir, "config.json")):
             raise StageError(f"{run_dir}: no config.json to resume from")
         cfg = Config(**files.read_json(os.path.join(run_dir, "config.json"))["config"])
-        changed = set(overrides) - RESUMABLE
-        if changed:
-            raise StageError(f"--resume keeps the run's configuration; cannot change --{', --'.join(sorted(changed))}")
+        if set(overrides) - RESUMABLE:
+            raise StageError(f"--resume keeps the run's configuration; cannot change "
+                             f"--{', --'.join(sorted(set(overrides) - RESUMABLE))}")
     else:
         if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
-            raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose --run-dir")
-        cfg = dataclasses.replace(CONFIGS[args.config])
+            raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
+                             f"--run-dir")
+        cfg = CONFIGS[args.config]
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.task not in tasks.TASKS:
         raise StageError(f"--task {cfg.task!r}: expected one of {', '.join(tasks.TASKS)}")
     cfg.rewards = cfg.rewards or tasks.TASKS[cfg.task][1]
-    for script in STAGES:                                 # each stage checks its flags before anything is written
+    for script in STAGES:                             # each stage checks its flags before anything is written
         stage_args(script, cfg, "it", 0, 0, "model", "ref", [])
-    return cfg, run_dir
+    return args, cfg, run_dir
 
 
 def stage_args(script, cfg, it_dir, slot, i, model_path, ref_path, commands):
-    """A stage's namespace for iteration i, built by the stage's own parser (the same defaults and
-    checks as its command line): every field of the configuration that is one of its flags, and the
-    files of `it_dir`; the records and the sampler's seed come from `slot`. The equivalent command is
-    appended to `commands`."""
+    """A stage's namespace for iteration i, built by the stage's own parser (its defaults and checks):
+    every field of the configuration that is one of its flags, and the files of `it_dir`; the records
+    and the sampler's seed come from `slot`. The equivalent command is appended to `commands`."""
     path = {k: os.path.join(it_dir, f"{k}.safetensors") for k in ("rollouts", "rewards", "advantages")}
-    files_and_seeds = {
-        "sample.py": dict(model=model_path, prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
-                          ref_model=ref_path, seed=cfg.seed * 1_000_003 + slot),
-        "score.py": dict(rollouts=path["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"),
-                         reward=cfg.rewards, out=path["rewards"]),
-        "advantage.py": dict(rewards=path["rewards"], out=path["advantages"]),
-        "update.py": dict(model=model_path, rollouts=path["rollouts"], advantages=path["advantages"],
-                          out=os.path.join(os.path.dirname(it_dir), "policy"), seed=cfg.seed * 1_000_003 + i),
-    }[script]
+    own = {"sample.py": dict(model=model_path, prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
+                             ref_model=ref_path, seed=cfg.seed * 1_000_003 + slot),
+           "score.py": dict(rollouts=path["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"),
+                            reward=cfg.rewards, out=path["rewards"]),
+           "advantage.py": dict(rewards=path["rewards"], out=path["advantages"]),
+           "update.py": dict(model=model_path, rollouts=path["rollouts"], advantages=path["advantages"],
+                             out=os.path.join(os.path.dirname(it_dir), "policy"),
+                             seed=cfg.seed * 1_000_003 + i)}
     stage = STAGES[script]
-    shared = {a.dest: getattr(cfg, a.dest) for a in stage.build_parser()._actions if hasattr(cfg, a.dest)}
+    shared = {a.dest: getattr(cfg, a.dest) for a in stage.build_parser()._actions
+              if hasattr(cfg, a.dest) and a.dest not in own[script]}
     argv = []
-    for name, value in {**shared, **files_and_seeds}.items():
-        if value is None or value is False:
-            continue
-        argv.append("--" + name.replace("_", "-"))
-        if value is not True:
-            argv.extend(map(str, value) if isinstance(value, list) else [str(value)])
+    for name, value in {**own[script], **shared}.items():
+        if value is not None and value is not False:
+            argv.append("--" + name.replace("_", "-"))
+            argv.extend([] if value is True else map(str, value) if isinstance(value, list) else [str(value)])
     commands.append(["python", script, *argv])
     return stage.parse_args(argv)
 
@@ -187,22 +174,41 @@ class Models:
     ref: torch.nn.Module = None     # π_ref, frozen; None when β = 0
 
 
-def load_models(cfg, run_dir, done):
-    """The policy (from the last save when resuming), its tokenizer and, when β ≠ 0, the reference."""
-    base = builders.default_model_dir() if cfg.model == "" else cfg.model
-    if cfg.model == "tiny":                               # built once, in the run folder
-        base = os.path.join(run_dir, "base_model")
-        if distributed.is_main() and not os.path.isfile(os.path.join(base, "config.json")):
-            builders.make_tiny_llama(base, seed=cfg.seed)
-        distributed.barrier()
-    start = os.path.join(run_dir, "policy") if done else base
+def start(cfg, run_dir, done):
+    """Rewards, models (the policy from the last save when resuming) and AdamW; config.json is
+    written first, and a new run folder is removed again if anything fails to load."""
+    main, new = distributed.is_main(), not os.path.exists(run_dir)
     device = distributed.pick_device(cfg.device)
-    policy = modeling.load_model(start, device, cfg.trust_remote_code)
-    sharded = cfg.fsdp and distributed.rank_and_world()[1] > 1
-    sampler = modeling.load_model(start, device, cfg.trust_remote_code) if sharded else policy
-    ref = modeling.load_model(base, device, cfg.trust_remote_code) if cfg.beta != 0 else None
-    return Models(base, modeling.load_tokenizer(start, cfg.trust_remote_code),
-                  distributed.distribute(policy, cfg.fsdp), sampler, ref)
+    try:
+        reward_fns = [score.load_reward(spec, device, 0, cfg.trust_remote_code) for spec in cfg.rewards]
+        if main:
+            os.makedirs(run_dir, exist_ok=True)
+            files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})
+        base = builders.default_model_dir() if cfg.model == "" else cfg.model
+        if cfg.model == "tiny":                       # built once, in the run folder
+            base = os.path.join(run_dir, "base_model")
+            if main and not os.path.isfile(os.path.join(base, "config.json")):
+                builders.make_tiny_llama(base, seed=cfg.seed)
+            distributed.barrier()
+            if not os.path.isfile(os.path.join(base, "config.json")):    # --check: a scratch folder per rank
+                builders.make_tiny_llama(base, seed=cfg.seed)
+        path = os.path.join(run_dir, "policy") if done else base
+        policy = modeling.load_model(path, device, cfg.trust_remote_code)
+        sampler = policy
+        if cfg.fsdp and distributed.rank_and_world()[1] > 1:
+            sampler = modeling.load_model(path, device, cfg.trust_remote_code)
+        models = Models(base, modeling.load_tokenizer(path, cfg.trust_remote_code),
+                        distributed.distribute(policy, cfg.fsdp), sampler,
+                        modeling.load_model(base, device, cfg.trust_remote_code) if cfg.beta != 0 else None)
+    except BaseException:
+        if main and new:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    optimizer = update.make_optimizer(models.policy, cfg.lr)
+    if done:
+        checkpoints.load_optimizer_state(models.policy, optimizer,
+                                         os.path.join(path, "optimizer.safetensors"))
+    return models, optimizer, reward_fns
 
 
 @contextmanager
@@ -223,8 +229,8 @@ def sample_and_score(slot, i, cfg, it_dir, models, policy_path, train, reward_fn
                                                    models.ref, prompts_path=sample_args.prompts)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
     with timed(perf, "perf/score_s"):
-        rewards, components, skipped = score.score_sharded(rollouts, samples, reward_fns, score_args.reward_weights,
-                                                           score_args.on_reward_error)
+        rewards, components, skipped = score.score_sharded(rollouts, samples, reward_fns,
+                                                           score_args.reward_weights, score_args.on_reward_error)
         rewards = score.length_shaping(rewards, components, rollouts["completion_mask"].sum(-1), score_args)
     batch = {"records": records, "rollouts": rollouts, "samples": samples, "rewards": rewards,
              "components": components, "skipped": skipped}
@@ -244,69 +250,36 @@ def dapo_dynamic_sampling(i, cfg, perf, sample_round, pad_id):
         if len(kept) >= B:
             break
     perf["charts/informative_groups"] = min(len(kept), B)
-    if not kept:                                              # nothing informative: train on the last round as is
-        kept = [(last, b) for b in range(B)]
-    kept = [(part, slice(b * G, (b + 1) * G), b) for part, b in kept[:B]]            # a group's rows
-
-    def merged(key):
-        return torch.cat([part[key][rows] for part, rows, _ in kept])
-
-    batch = {
-        "rollouts": sample.concat_rollouts([{k: v[rows] for k, v in part["rollouts"].items()}
-                                            for part, rows, _ in kept], pad_id),
-        "records": [part["records"][b] for part, _, b in kept],
-        "samples": [dict(s, group=g) for g, (part, rows, _) in enumerate(kept) for s in part["samples"][rows]],
-        "rewards": merged("rewards"), "skipped": merged("skipped"),
-        "components": {k: torch.cat([part["components"][k][rows] for part, rows, _ in kept])
-                       for k in last["components"]},
-    }
+    kept = [(part, slice(b * G, (b + 1) * G), b) for part, b in (kept or [(last, b) for b in range(B)])[:B]]
+    batch = {"rollouts": sample.concat_rollouts([{k: v[rows] for k, v in part["rollouts"].items()}
+                                                 for part, rows, _ in kept], pad_id),
+             "records": [part["records"][b] for part, _, b in kept],
+             "samples": [dict(s, group=g) for g, (part, rows, _) in enumerate(kept)
+                         for s in part["samples"][rows]],
+             "components": {k: torch.cat([part["components"][k][rows] for part, rows, _ in kept])
+                            for k in last["components"]},
+             **{k: torch.cat([part[k][rows] for part, rows, _ in kept]) for k in ("rewards", "skipped")}}
     return batch, sample_args, score_args
 
 
-def check(cfg):
-    """--check: sample and score the first batch, print its reward spread and diversity, write nothing."""
-    with tempfile.TemporaryDirectory() as scratch:
-        models = load_models(cfg, scratch, 0)
-        train, _, _ = tasks.make_task(cfg.task, cfg.seed)
-        reward_fns = [score.load_reward(spec, distributed.pick_device(cfg.device), 0, cfg.trust_remote_code)
-                      for spec in cfg.rewards]
-        batch, _, _ = sample_and_score(0, 0, cfg, os.path.join(scratch, "iter_0000"), models, models.base, train,
-                                       reward_fns, {}, [])
-    if distributed.is_main():
-        print("\n".join(diagnostics.batch_report(batch["rollouts"], batch["rewards"],
-                                                 [s["completion"] for s in batch["samples"]], cfg.group_size)))
-
-
-def start(cfg, run_dir, done):
-    """Models, optimizer and rewards for a run; a new run folder is removed again if any fails to load."""
-    main, new = distributed.is_main(), not os.path.exists(run_dir)
-    try:
-        reward_fns = [score.load_reward(spec, distributed.pick_device(cfg.device), 0, cfg.trust_remote_code)
-                      for spec in cfg.rewards]
-        if main:
-            os.makedirs(run_dir, exist_ok=True)
-            files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})   # first: resumable
-        models = load_models(cfg, run_dir, done)
-    except BaseException:
-        if main and new:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    optimizer = update.make_optimizer(models.policy, cfg.lr)
-    if done:
-        checkpoints.load_optimizer_state(models.policy, optimizer,
-                                         os.path.join(run_dir, "policy", "optimizer.safetensors"))
-    return models, optimizer, reward_fns
-
-
 def main(argv=None):
-    args, overrides = parse_args(argv)
-    cfg, run_dir = resolve_config(args, overrides)
+    args, cfg, run_dir = parse_args(argv)
     distributed.init_distributed(cfg.device)                  # under torchrun; rank 0 writes and logs
     main = distributed.is_main()
-    distributed.barrier()                                     # every rank has checked run_dir before it is created
-    if args.check:
-        return check(cfg)
-    done, bad_steps = distributed.broadcast_ints(checkpoints.restore(run_dir) if args.resume and main else (0, 0))
+    distributed.barrier()                                     # every rank has checked run_dir before it exists
+    train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
+    if args.check:                                            # the first batch, in a folder removed after
+        with tempfile.TemporaryDirectory() as scratch:
+            models, _, reward_fns = start(cfg, scratch, 0)
+            batch, _, _ = sample_and_score(0, 0, cfg, os.path.join(scratch, "iter_0000"), models, models.base,
+                                           train, reward_fns, {}, [])
+        if main:
+            completions = [s["completion"] for s in batch["samples"]]
+            print("\n".join(diagnostics.batch_report(batch["rollouts"], batch["rewards"], completions,
+                                                     cfg.group_size)))
+        return
+    restored = checkpoints.restore(run_dir) if args.resume and main else (0, 0)
+    done, bad_steps = distributed.broadcast_ints(restored)            # rank 0 read the run folder
     if done > cfg.iterations:
         raise StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
     if cfg.beta == 0:
@@ -316,7 +289,6 @@ def main(argv=None):
 
     models, optimizer, reward_fns = start(cfg, run_dir, done)
     policy_dir = os.path.join(run_dir, "policy")
-    train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
     held_out_eval = evaluation.HeldOut(
         held_out[:cfg.eval_prompts], models.tokenizer, max_new_tokens=cfg.max_new_tokens, run_dir=run_dir,
         score=lambda rows, rollouts: score.score(rollouts, rows, reward_fns, [1.0] * len(reward_fns))[0],
@@ -326,33 +298,26 @@ def main(argv=None):
     previous = files.read_json(previous) if done and os.path.isfile(previous) else None
     saved_at, saver = done, checkpoints.BackgroundSaver()
 
-    bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done, total=cfg.iterations,
-               disable=None if main else True)
+    bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done,
+               total=cfg.iterations, disable=None if main else True)
     for i in bar:
         t0, perf, commands = time.perf_counter(), {}, []
         held_out_metrics = {}
         if main and cfg.eval_every and i % cfg.eval_every == 0:
             held_out_metrics = held_out_eval(models.sampler, models.ref, models.base, i)
-        # The --model the stage files record: where the policy that samples iteration i lives.
-        policy_path = models.base if i == 0 else policy_dir
-        if i > 0 and saved_at == i and checkpoints.is_save_point(i, cfg.save_every):
-            policy_path = checkpoints.checkpoint_dir(run_dir, i)
-            if main and i == done:                            # resumed from this save: link it now (else the
-                checkpoints.keep_checkpoint(run_dir, i)       # background save does, once policy/ is written)
-        it_dir = os.path.join(run_dir, f"iter_{i:04d}")
-        if main:
-            shutil.rmtree(it_dir, ignore_errors=True)         # a partial iteration is redone from scratch
-            os.makedirs(it_dir)
+        policy_path = checkpoints.sampler_dir(run_dir, i, models.base, saved_at, cfg.save_every, main and i == done)
+        it_dir = checkpoints.iteration_dir(run_dir, i, create=main)
 
         # Stages 1 and 2: G completions for each of B prompts, and their rewards.
         def sample_round(slot):
             commands.clear()
-            return sample_and_score(slot, i, cfg, it_dir, models, policy_path, train, reward_fns, perf, commands)
+            return sample_and_score(slot, i, cfg, it_dir, models, policy_path, train, reward_fns, perf,
+                                    commands)
 
         if cfg.dynamic_sampling:
             batch, sample_args, score_args = dapo_dynamic_sampling(i, cfg, perf, sample_round,
                                                                    models.tokenizer.pad_token_id)
-            sample_args.dapo_dynamic_sampling = True          # the file holds informative groups of several rounds
+            sample_args.dapo_dynamic_sampling = True          # the file holds groups of several rounds
         else:
             batch, sample_args, score_args = sample_round(i)
         rollouts, rewards = batch["rollouts"], batch["rewards"]
@@ -371,16 +336,17 @@ def main(argv=None):
         update_args = stage_args("update.py", cfg, it_dir, i, i, policy_path, None, commands)
         with timed(perf, "perf/update_s"):
             losses = update.train_policy(models.policy, optimizer, rollouts, adv["advantages"], update_args)
-            if models.sampler is not models.policy:           # FSDP: the full copy that samples takes the step
+            if models.sampler is not models.policy:           # FSDP: the full copy that samples follows
                 models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy), strict=False)
 
-        diag_keys = ("logprob_diff_max", "logprob_diff_mean", "skipped_steps")
+        completions = [s["completion"] for s in batch["samples"]]
+        on_policy = ("logprob_diff_max", "logprob_diff_mean", "skipped_steps")
         metrics = {"iteration": i, **diagnostics.iteration_metrics(
-            rollouts, rewards, batch["components"], batch["skipped"], [s["completion"] for s in batch["samples"]],
-            cfg.group_size), **{f"losses/{k}": v for k, v in losses.items() if k not in diag_keys},
-            **{f"diag/{k}": losses[k] for k in diag_keys}, **perf,
+            rollouts, rewards, batch["components"], batch["skipped"], completions, cfg.group_size),
+            **{f"losses/{k}": v for k, v in losses.items() if k not in on_policy},
+            **{f"diag/{k}": losses[k] for k in on_policy}, **perf,
             "perf/tokens_per_s": lengths.sum().item() / perf["perf/sample_s"]}
-        if main and policy_path != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept: replayable
+        if main and policy_path != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept
             checkpoints.write_replay(it_dir, i, commands)
         if main and i == 0:
             tqdm.write("\n".join(diagnostics.spread_report(diagnostics.reward_spread(rewards, cfg.group_size),
@@ -389,25 +355,26 @@ def main(argv=None):
         metrics.update(flags, **held_out_metrics)
         if flags["diversity/collapse"]:
             jumped = ", ".join(k[10:] for k, v in flags.items() if v and k != "diversity/collapse")
-            warn(f"WARNING: iteration {i}: diversity jumped ({jumped}): the policy may be collapsing onto one "
-                 f"pattern; read iter_{i:04d}/samples.jsonl")
+            warn(f"WARNING: iteration {i}: diversity jumped ({jumped}): the policy may be collapsing onto "
+                 f"one pattern; read iter_{i:04d}/samples.jsonl")
         bad_steps += losses["skipped_steps"]
         metrics["diag/bad_steps_total"] = bad_steps
         if bad_steps > cfg.max_bad_steps:
             saver.wait()
-            raise StageError(f"{bad_steps} optimizer steps in this run had a non-finite loss or gradient, more "
-                             f"than --max-bad-steps {cfg.max_bad_steps}; stopped, {policy_dir} holds the last "
-                             f"good save ({saved_at} iterations)")
+            raise StageError(f"{bad_steps} optimizer steps in this run had a non-finite loss or gradient, "
+                             f"more than --max-bad-steps {cfg.max_bad_steps}; stopped, {policy_dir} holds the "
+                             f"last good save ({saved_at} iterations)")
         t = time.perf_counter()
         if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
             checkpoints.save_resume_point(
-                models.policy, models.tokenizer, optimizer, losses, update_args, run_dir, i + 1, bad_steps, saver,
-                keep=checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations)
+                models.policy, models.tokenizer, optimizer, losses, update_args, run_dir, i + 1, bad_steps,
+                saver, keep=checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations)
             saved_at = i + 1
         metrics["perf/checkpoint_s"] = time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0
         if main:
-            checkpoints.log_iteration(writer, bar, it_dir, i, metrics, batch["samples"], rewards, cfg.group_size)
+            checkpoints.log_iteration(writer, bar, it_dir, i, metrics, batch["samples"], rewards,
+                                      cfg.group_size)
         previous = metrics
 
     saver.wait()

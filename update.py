@@ -7,21 +7,19 @@ For every completion token o_t of completion o_i (DeepSeekMath, eq. 3; FORMATS.m
     k3_t  = exp(log π_ref(o_t) − log π_θ(o_t)) − (log π_ref(o_t) − log π_θ(o_t)) − 1
     loss  = mean over sequences of the masked token mean of ℓ_t          (--loss-agg seq)
 
-Reads   --model DIR        the policy π_θ (equal to π_old before the first step); if DIR holds
-                           optimizer.safetensors, AdamW continues from it (--fresh-optimizer: not)
+Reads   --model DIR        the policy π_θ (π_old before the first step), and AdamW's state if DIR
+                           holds optimizer.safetensors (unless --fresh-optimizer)
         --rollouts FILE    rollouts.safetensors: ids and masks, old_logprobs, ref_logprobs [N, T]
         --advantages FILE  advantages.safetensors: advantages [N] (or [N, T]), group_ids [N]
-Writes  --out DIR          config.json, model.safetensors and tokenizer files (a Hugging Face
-                           checkpoint), optimizer.safetensors, metrics.json
+Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (FORMATS.md)
 
 Example:
     python update.py --model ckpt/ --rollouts it0/rollouts.safetensors \\
         --advantages it0/advantages.safetensors --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2 \\
         --loss-agg seq --epochs 1 --minibatch-size 16
 
-Variants (one flag beside one `if` each; README's table has the formulas): --loss-agg token|dr_grpo,
---clip-eps-high (DAPO), --dual-clip (dual-clip PPO), --ratio-level sequence (GSPO),
---kl-estimator k1|k2 (Schulman's estimators).
+Variants, one flag beside one `if` each (README's table has the formulas): --loss-agg token|dr_grpo,
+--clip-eps-high (DAPO), --dual-clip, --ratio-level sequence (GSPO), --kl-estimator k1|k2.
 
 Choices where the paper and FORMATS.md are silent:
 - log π_old is the rollouts' old_logprobs, never recomputed: the file is the record of what was
@@ -33,14 +31,12 @@ Choices where the paper and FORMATS.md are silent:
   minibatch's normaliser (sequences or tokens), so the gradient does not depend on the split.
 - Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step.
 - Gradients are clipped to a total norm of --max-grad-norm; AdamW with weight decay 0 by default.
-- A row whose completion_mask is all false (no completion token) is an error: it has no ℓ_t to
-  average, and sample.py never writes one, so such a file was built wrongly.
-- --out DIR is replaced as a unit (written beside it, then renamed), so it must be new, empty, or
-  an earlier checkpoint folder; a folder holding other files (say, the rollouts) is refused.
+- A row with no completion token is an error (it has no ℓ_t to average; sample.py never writes one).
+- --out DIR is replaced as a unit (written beside it, then renamed): it must be new, empty, or an
+  earlier checkpoint; a folder holding other files (say, the rollouts) is refused.
 - Under torchrun each minibatch's rows are split across the ranks (DDP, or FSDP2 with --fsdp); the
   loss keeps the whole minibatch's normaliser, so loss, grad_norm and the step equal one process's.
-- metrics.json holds each metric measured before each optimizer step, averaged over the steps;
-  `kl` is null when the rollouts have no ref_logprobs (only allowed with β = 0).
+- metrics.json holds each metric measured before each optimizer step, averaged over the steps.
 """
 
 import json
@@ -58,16 +54,12 @@ from grpo.cli import ArgumentParser, StageError, run_cli, warn
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder)")
-    p.add_argument("--rollouts", required=True,
-                   help="rollouts.safetensors from sample.py (π_old, π_ref log-probs)")
+    p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py (log π_old, log π_ref)")
     p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
-    p.add_argument("--out", required=True,
-                   help="output folder for the updated checkpoint, optimizer state, metrics.json")
+    p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    p.add_argument("--beta", type=float, default=0.01,
-                   help="β: weight of the KL penalty to π_ref (default 0.01)")
-    p.add_argument("--clip-eps", type=float, default=0.2,
-                   help="ε (ε_low): clip ρ to [1−ε, 1+ε] (default 0.2)")
+    p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty to π_ref (default 0.01)")
+    p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (default 0.2)")
     p.add_argument("--clip-eps-high", type=float, default=None,
                    help="ε_high: upper clip 1+ε_high (DAPO's clip-higher uses 0.28; default: ε)")
     p.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
@@ -75,45 +67,33 @@ def build_parser():
                         "token: Σ over tokens / token count (DAPO)\n"
                         "dr_grpo: Σ over tokens / (N × L_max) (Dr. GRPO)")
     p.add_argument("--dual-clip", type=float, default=None, metavar="C",
-                   help="C: for A < 0 cap the token loss at C·|A|, C > 1\n"
-                        "(dual-clip PPO, Ye et al. 2020; default off)")
+                   help="C: for A < 0 cap the token loss at C·|A|, C > 1 (dual-clip PPO, Ye et al. 2020)")
     p.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
                    help="token: ρ_t per token (PPO, GRPO; default)\n"
                         "sequence: one ρ_i = exp(mean_t log ρ_t) per completion, clipped per sequence\n"
-                        "(GSPO, Zheng et al. 2025; it uses a far smaller ε:\n"
-                        "--clip-eps 3e-4 --clip-eps-high 4e-4)")
+                        "(GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
     p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
-                   help="estimator of KL(π_θ‖π_ref) in the loss, x = log π_ref − log π_θ\n"
-                        "(Schulman 2020): k1 = −x, k2 = x²/2, k3 = eˣ − x − 1\n"
-                        "(default; metrics.json's kl is always k3)")
+                   help="KL(π_θ‖π_ref) estimator in the loss, x = log π_ref − log π_θ (Schulman 2020):\n"
+                        "k1 = −x, k2 = x²/2, k3 = eˣ − x − 1 (default; metrics.json's kl is always k3)")
     p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
     p.add_argument("--minibatch-size", type=int, default=0,
                    help="completions per optimizer step (default 0: all N, one step per epoch)")
     p.add_argument("--micro-batch-size", type=int, default=0,
-                   help="rows per forward/backward; gradients accumulate up to the minibatch\n"
-                        "(default 0: whole minibatch)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0,
-                   help="clip the gradient's total norm to this (default 1.0)")
+                   help="rows per forward/backward, gradients accumulated (default 0: the minibatch)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient's total norm (default 1.0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--temperature", type=float, default=None,
-                   help="τ for log π_θ (default: the sampling temperature in the rollouts' metadata,\n"
-                        "else 1.0)")
+                   help="τ for log π_θ (default: the sampling τ in the rollouts' metadata, else 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="L_max for --loss-agg dr_grpo (default: from the rollouts' metadata; an error\n"
-                        "if neither)")
+                   help="L_max for --loss-agg dr_grpo (default: the rollouts' metadata)")
     p.add_argument("--max-bad-steps", type=int, default=5,
-                   help="steps with a non-finite loss or gradient are skipped; stop with an error\n"
-                        "after this many (default 5)")
+                   help="non-finite steps skipped before stopping with an error (default 5)")
     p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
     p.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard the policy, its gradients and AdamW's state across the\n"
-                        "ranks with FSDP2 (fully_shard per decoder layer) instead of a full copy per\n"
-                        "rank in DDP (default)")
+                   help="under torchrun: shard weights, gradients and AdamW's state with FSDP2 (default: DDP)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the model folder run its own Python code\n"
-                        "(default off: it is code from the folder)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let the model folder run its own code")
     return p
 
 

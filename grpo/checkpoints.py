@@ -207,6 +207,29 @@ def save_resume_point(policy, tokenizer, optimizer, losses, update_args, run_dir
                 after_write=(lambda: keep_checkpoint(run_dir, iterations_done)) if keep else None)
 
 
+def iteration_dir(run_dir, i, create):
+    """iter_XXXX/, emptied and created when `create` (rank 0): a partial iteration is redone whole."""
+    it_dir = os.path.join(run_dir, f"iter_{i:04d}")
+    if create:
+        shutil.rmtree(it_dir, ignore_errors=True)
+        os.makedirs(it_dir)
+    return it_dir
+
+
+def sampler_dir(run_dir, i, base, saved_at, save_every, link):
+    """The --model that iteration i's stage files record: the folder of the policy that samples it.
+    The base model at 0; checkpoints/iter_XXXX when the save after i − 1 iterations is kept (the
+    background save links it, or now with `link`, on resuming from that save); else policy/, which
+    the next save replaces, so that iteration cannot be replayed."""
+    if i == 0:
+        return base
+    if saved_at == i and is_save_point(i, save_every):
+        if link:
+            keep_checkpoint(run_dir, i)
+        return checkpoint_dir(run_dir, i)
+    return os.path.join(run_dir, "policy")
+
+
 def is_save_point(n, save_every):
     """Whether policy/ is saved after n iterations by the --save-every rhythm (the last iteration
     saves as well); such a save, but for the last, is also kept as checkpoint_dir(run_dir, n)."""
