@@ -67,9 +67,24 @@ def parse_args(argv=None):
     return args
 
 
+def check_groups(group_ids, path):
+    """Check that each group's rows are contiguous and all groups have one size; return (B, G)."""
+    n = group_ids.numel()
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = group_ids[1:] != group_ids[:-1]
+    run_ids = group_ids[starts]                                   # [B] one id per contiguous run
+    if run_ids.unique().numel() != run_ids.numel():
+        raise StageError(f"{path}: 'group_ids' are not contiguous (a group's rows must be adjacent)")
+    sizes = torch.diff(torch.nonzero(starts).flatten(), append=torch.tensor([n]))
+    if (sizes != sizes[0]).any():
+        raise StageError(f"{path}: groups have unequal sizes {sorted(set(sizes.tolist()))}; "
+                         f"every group needs G rows")
+    return run_ids.numel(), int(sizes[0])
+
+
 def group_rewards(rewards, group_ids, path="group_ids"):
     """View rewards [N] as [B, G], one row per prompt's group."""
-    B, G = files.check_groups(group_ids, path)
+    B, G = check_groups(group_ids, path)
     if G < 2:
         raise StageError(f"{path}: every group has G = 1 completion; a group-relative advantage needs "
                          f"G ≥ 2 (sample with --group-size 2 or more)")
@@ -122,7 +137,7 @@ def length_strata(group_ids, lengths, strata, path="rewards"):
     Returns (order [N], strata_ids [N]): rows `order` of the batch, in which each stratum is
     contiguous, and the stratum id of each of them (prompt b's strata are b·S .. b·S + S − 1).
     """
-    B, G = files.check_groups(group_ids, path)
+    B, G = check_groups(group_ids, path)
     if G % strata or G // strata < 2:
         raise StageError(f"--length-strata {strata}: each group's G = {G} rows must split into strata of "
                          f"equal size of at least 2 (S must divide G and be at most G/2)")
@@ -149,7 +164,7 @@ def compute_advantages(rewards, group_ids, args, lengths=None):
         A = rloo_advantages(rewards, group_ids)
     elif args.estimator == "batch":
         A = batch_advantages(rewards, args.eps)
-        if files.check_groups(group_ids, "group_ids")[1] < 2:               # no groups to describe
+        if check_groups(group_ids, "group_ids")[1] < 2:                     # no groups to describe
             return {"advantages": A, "group_ids": group_ids}
     return {"advantages": A, "group_ids": group_ids, **group_stats(rewards, group_ids)}
 
@@ -158,7 +173,7 @@ def main(argv=None):
     args = parse_args(argv)
     data, _, _ = files.load_tensors(args.rewards, files.REWARDS)
     if args.estimator == "batch":                                       # groups checked with the file's name;
-        files.check_groups(data["group_ids"], args.rewards)              # G = 1 is allowed: no group is used
+        check_groups(data["group_ids"], args.rewards)                     # G = 1 is allowed: no group is used
     else:
         group_rewards(data["rewards"], data["group_ids"], args.rewards)
     if args.length_strata > 1 and "lengths" not in data:

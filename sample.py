@@ -36,8 +36,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import distributed, files, modeling
-from grpo.cli import ArgumentParser, StageError, run_cli
+from grpo import diagnostics, distributed, files, modeling
+from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
 
 
 def build_parser():
@@ -55,8 +55,7 @@ def build_parser():
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true", help="let model folders run their own code")
+    add_runtime_flags(p)
     return p
 
 
@@ -234,6 +233,33 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_pa
              for k, v in tensors.items()}
     tensors = concat_rollouts([{k: parts[k][r] for k in parts} for r in range(world)], pad)
     return tensors, distributed.all_gather_json(samples)
+
+
+def dapo_dynamic_sampling(sample_round, first_slot, rounds, B, G, pad_id, perf):
+    """DAPO's dynamic sampling (Yu et al. 2025) for train.py --dynamic-sampling: groups whose rewards
+    are all equal give no gradient, so they are dropped and the B records of the next slot sampled,
+    until B informative groups or `rounds` rounds. `sample_round(slot)` samples and scores one round:
+    (batch, sample_args, score_args), the batch a dict of records, rollouts, samples, rewards,
+    components and skipped. Returns the same for the kept groups, renumbered 0..B−1."""
+    kept, last = [], None
+    for r in range(rounds):
+        last, sample_args, score_args = sample_round(first_slot + r)
+        informative = ~diagnostics.all_equal_groups(last["rewards"].double().reshape(B, G))    # [B]
+        kept += [(last, b) for b in range(B) if informative[b]]
+        perf["charts/sample_rounds"] = r + 1
+        if len(kept) >= B:
+            break
+    perf["charts/informative_groups"] = min(len(kept), B)
+    kept = [(part, slice(b * G, (b + 1) * G), b) for part, b in (kept or [(last, b) for b in range(B)])[:B]]
+    batch = {"rollouts": concat_rollouts([{k: v[rows] for k, v in part["rollouts"].items()}
+                                          for part, rows, _ in kept], pad_id),
+             "records": [part["records"][b] for part, _, b in kept],
+             "samples": [dict(s, group=g) for g, (part, rows, _) in enumerate(kept)
+                         for s in part["samples"][rows]],
+             "components": {k: torch.cat([part["components"][k][rows] for part, rows, _ in kept])
+                            for k in last["components"]},
+             **{k: torch.cat([part[k][rows] for part, rows, _ in kept]) for k in ("rewards", "skipped")}}
+    return batch, sample_args, score_args
 
 
 def write_outputs(out_dir, tensors, samples, args):

@@ -24,17 +24,13 @@ Every reward must be a finite number: None, NaN or ±inf is an error naming the 
 component. Under torchrun each rank scores a contiguous share of whole groups; rank 0 writes.
 """
 
-import importlib
-import importlib.util
 import math
 import numbers
-import os
-import sys
 
 import torch
 
-from grpo import distributed, files, modeling, tasks
-from grpo.cli import ArgumentParser, StageError, run_cli, warn
+from grpo import distributed, files, reward_specs, tasks
+from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn
 
 
 def build_parser():
@@ -60,9 +56,8 @@ def build_parser():
                         "skip: give those rows their group's mean of the valid rows, record them in\n"
                         "'skipped', and warn")
     p.add_argument("--out", required=True, help="output rewards.safetensors")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model pass (default: all)")
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true", help="let a reward-model folder run its code")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model pass (default all)")
+    add_runtime_flags(p)
     return p
 
 
@@ -81,74 +76,6 @@ def parse_args(argv=None):
 def check_overlong(buffer, max_len):
     if not 0 < buffer <= max_len:
         raise StageError(f"--overlong-buffer must be in 1..L_max={max_len}, got {buffer}")
-
-
-def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
-    """Resolve a --reward SPEC to (name, function with the TRL reward signature)."""
-    if spec in tasks.REWARDS:
-        return spec, tasks.REWARDS[spec]
-    if ":" in spec:
-        return load_user_function(spec)
-    if os.path.isdir(spec):
-        name = os.path.basename(os.path.normpath(spec))
-        return name, reward_model_function(spec, device, micro_batch_size, trust_remote_code)
-    raise StageError(f"--reward {spec!r}: unknown reward; expected a built-in name "
-                     f"({', '.join(tasks.REWARDS)}), module:function, path/file.py:function, "
-                     f"or a reward-model folder")
-
-
-def load_user_function(spec):
-    target, _, name = spec.rpartition(":")
-    try:
-        if target.endswith(".py"):
-            if not os.path.isfile(target):
-                raise StageError(f"--reward {spec!r}: no such file {target}")
-            module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(target))}", target)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(target)
-    except StageError:
-        raise
-    except Exception as e:  # the user's module can raise anything on import; report it as one line
-        raise StageError(f"--reward {spec!r}: importing {target} failed ({type(e).__name__}: {e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise StageError(f"--reward {spec!r}: {target} has no function {name!r}")
-    return name, fn
-
-
-def reward_model_function(path, device, micro_batch_size, trust_remote_code=False):
-    """A reward function with TRL's signature, backed by a sequence-classification model."""
-    from transformers import AutoModelForSequenceClassification
-
-    tokenizer = modeling.load_tokenizer(path, trust_remote_code)
-    model = modeling.load_model(path, device, trust_remote_code, AutoModelForSequenceClassification)
-    if model.config.num_labels != 1:
-        raise StageError(f"{path}: a reward model must have one output (num_labels=1), "
-                         f"this one has {model.config.num_labels}")
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-
-    @torch.inference_mode()
-    def reward_model(prompts, completions, messages=None, **fields):
-        texts = []
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-            chat = messages[i] if messages is not None else None
-            if chat is not None and tokenizer.chat_template is not None:
-                texts.append(tokenizer.apply_chat_template(
-                    chat + [{"role": "assistant", "content": completion}], tokenize=False))
-            else:
-                texts.append(prompt + completion)
-        scores = []
-        for rows in distributed.row_slices(len(texts), micro_batch_size):
-            batch = tokenizer(texts[rows], return_tensors="pt", padding=True, add_special_tokens=False)
-            scores.append(model(**batch.to(device)).logits[:, 0].float().cpu())             # [n]
-        return torch.cat(scores).tolist()
-
-    return reward_model
 
 
 def call_reward(name, fn, prompts, completions, fields, group_ids, on_error="fail"):
@@ -255,7 +182,8 @@ def length_shaping(rewards, components, lengths, args):
 
 
 def write_rewards(path, rewards, group_ids, components, args, lengths=None, skipped=None):
-    tensors = {"rewards": rewards, "group_ids": group_ids, **{f"reward/{k}": c for k, c in components.items()}}
+    tensors = {"rewards": rewards, "group_ids": group_ids}
+    tensors.update({f"reward/{k}": c for k, c in components.items()})
     if lengths is not None:
         tensors["lengths"] = lengths
     if skipped is not None and skipped.any():
@@ -293,7 +221,7 @@ def main(argv=None):
     samples = files.read_jsonl(args.samples)
     check_samples(samples, rollouts["group_ids"], args.samples)
     device = distributed.init_distributed(args.device)
-    reward_fns = [load_reward(spec, device, args.micro_batch_size, args.trust_remote_code)
+    reward_fns = [reward_specs.load_reward(spec, device, args.micro_batch_size, args.trust_remote_code)
                   for spec in args.reward]
 
     rewards, components, skipped = score_sharded(rollouts, samples, reward_fns, args.reward_weights,

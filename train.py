@@ -15,11 +15,8 @@ its files are written by its own functions, so any iteration can be re-run one s
 Every draw of iteration i comes from generators seeded from (seed, i): the records it sees (a
 seeded shuffle per pass over them), the sampler, the minibatch shuffle. No RNG state crosses
 iterations, so the policy and AdamW's state, saved every --save-every iterations, are all a resume
-needs: --resume recomputes the iterations since the last save, bit for bit on a CPU.
-
---dynamic-sampling (DAPO) lives here because it needs rewards to decide what to sample: the
-files then hold the informative groups of up to R = --max-sample-rounds rounds (round r of
-iteration i uses the records and seed of slot i·R + r), and no replay.sh is written.
+needs: --resume recomputes the iterations since the last save, bit for bit on a CPU. With
+--dynamic-sampling, round r of iteration i uses the records and seed of slot i·R + r.
 """
 
 import dataclasses
@@ -37,7 +34,8 @@ import advantage
 import sample
 import score
 import update
-from grpo import builders, checkpoints, diagnostics, distributed, evaluation, files, modeling, tasks
+from grpo import (builders, checkpoints, diagnostics, distributed, evaluation, files, modeling, reward_specs,
+                  tasks)
 from grpo.cli import ArgumentParser, StageError, run_cli, warn
 
 
@@ -157,9 +155,13 @@ def stage_args(script, cfg, it_dir, slot, i, model_path, ref_path, commands):
               if hasattr(cfg, a.dest) and a.dest not in own[script]}
     argv = []
     for name, value in {**own[script], **shared}.items():
-        if value is not None and value is not False:
-            argv.append("--" + name.replace("_", "-"))
-            argv.extend([] if value is True else map(str, value) if isinstance(value, list) else [str(value)])
+        if value is None or value is False:                   # not given: the stage's default
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if isinstance(value, list):
+            argv += map(str, value)
+        elif value is not True:
+            argv.append(str(value))
     commands.append(["python", script, *argv])
     return stage.parse_args(argv)
 
@@ -180,18 +182,11 @@ def start(cfg, run_dir, done):
     main, new = distributed.is_main(), not os.path.exists(run_dir)
     device = distributed.pick_device(cfg.device)
     try:
-        reward_fns = [score.load_reward(spec, device, 0, cfg.trust_remote_code) for spec in cfg.rewards]
+        reward_fns = [reward_specs.load_reward(s, device, 0, cfg.trust_remote_code) for s in cfg.rewards]
         if main:
             os.makedirs(run_dir, exist_ok=True)
             files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})
-        base = builders.default_model_dir() if cfg.model == "" else cfg.model
-        if cfg.model == "tiny":                       # built once, in the run folder
-            base = os.path.join(run_dir, "base_model")
-            if main and not os.path.isfile(os.path.join(base, "config.json")):
-                builders.make_tiny_llama(base, seed=cfg.seed)
-            distributed.barrier()
-            if not os.path.isfile(os.path.join(base, "config.json")):    # --check: a scratch folder per rank
-                builders.make_tiny_llama(base, seed=cfg.seed)
+        base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
         path = os.path.join(run_dir, "policy") if done else base
         policy = modeling.load_model(path, device, cfg.trust_remote_code)
         sampler = policy
@@ -204,11 +199,8 @@ def start(cfg, run_dir, done):
         if main and new:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    optimizer = update.make_optimizer(models.policy, cfg.lr)
-    if done:
-        checkpoints.load_optimizer_state(models.policy, optimizer,
-                                         os.path.join(path, "optimizer.safetensors"))
-    return models, optimizer, reward_fns
+    state = os.path.join(path, "optimizer.safetensors") if done else None
+    return models, checkpoints.adamw(models.policy, cfg.lr, state_file=state), reward_fns
 
 
 @contextmanager
@@ -229,36 +221,11 @@ def sample_and_score(slot, i, cfg, it_dir, models, policy_path, train, reward_fn
                                                    models.ref, prompts_path=sample_args.prompts)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
     with timed(perf, "perf/score_s"):
-        rewards, components, skipped = score.score_sharded(rollouts, samples, reward_fns,
-                                                           score_args.reward_weights, score_args.on_reward_error)
+        rewards, components, skipped = score.score_sharded(
+            rollouts, samples, reward_fns, score_args.reward_weights, score_args.on_reward_error)
         rewards = score.length_shaping(rewards, components, rollouts["completion_mask"].sum(-1), score_args)
     batch = {"records": records, "rollouts": rollouts, "samples": samples, "rewards": rewards,
              "components": components, "skipped": skipped}
-    return batch, sample_args, score_args
-
-
-def dapo_dynamic_sampling(i, cfg, perf, sample_round, pad_id):
-    """DAPO's dynamic sampling (Yu et al. 2025): groups whose rewards are all equal give no gradient, so
-    they are dropped and more prompts sampled, until B informative groups or --max-sample-rounds."""
-    B, G = cfg.num_prompts, cfg.group_size
-    kept, last = [], None
-    for r in range(cfg.max_sample_rounds):
-        last, sample_args, score_args = sample_round(i * cfg.max_sample_rounds + r)
-        informative = ~diagnostics.all_equal_groups(last["rewards"].double().reshape(B, G))    # [B]
-        kept += [(last, b) for b in range(B) if informative[b]]
-        perf["charts/sample_rounds"] = r + 1
-        if len(kept) >= B:
-            break
-    perf["charts/informative_groups"] = min(len(kept), B)
-    kept = [(part, slice(b * G, (b + 1) * G), b) for part, b in (kept or [(last, b) for b in range(B)])[:B]]
-    batch = {"rollouts": sample.concat_rollouts([{k: v[rows] for k, v in part["rollouts"].items()}
-                                                 for part, rows, _ in kept], pad_id),
-             "records": [part["records"][b] for part, _, b in kept],
-             "samples": [dict(s, group=g) for g, (part, rows, _) in enumerate(kept)
-                         for s in part["samples"][rows]],
-             "components": {k: torch.cat([part["components"][k][rows] for part, rows, _ in kept])
-                            for k in last["components"]},
-             **{k: torch.cat([part[k][rows] for part, rows, _ in kept]) for k in ("rewards", "skipped")}}
     return batch, sample_args, score_args
 
 
@@ -266,7 +233,7 @@ def main(argv=None):
     args, cfg, run_dir = parse_args(argv)
     distributed.init_distributed(cfg.device)                  # under torchrun; rank 0 writes and logs
     main = distributed.is_main()
-    distributed.barrier()                                     # every rank has checked run_dir before it exists
+    distributed.barrier()                                 # every rank has checked run_dir before it exists
     train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
     if args.check:                                            # the first batch, in a folder removed after
         with tempfile.TemporaryDirectory() as scratch:
@@ -305,7 +272,8 @@ def main(argv=None):
         held_out_metrics = {}
         if main and cfg.eval_every and i % cfg.eval_every == 0:
             held_out_metrics = held_out_eval(models.sampler, models.ref, models.base, i)
-        policy_path = checkpoints.sampler_dir(run_dir, i, models.base, saved_at, cfg.save_every, main and i == done)
+        link = main and i == done                           # resumed from a kept save: link it now
+        policy_path = checkpoints.sampler_dir(run_dir, i, models.base, saved_at, cfg.save_every, link)
         it_dir = checkpoints.iteration_dir(run_dir, i, create=main)
 
         # Stages 1 and 2: G completions for each of B prompts, and their rewards.
@@ -315,8 +283,9 @@ def main(argv=None):
                                     commands)
 
         if cfg.dynamic_sampling:
-            batch, sample_args, score_args = dapo_dynamic_sampling(i, cfg, perf, sample_round,
-                                                                   models.tokenizer.pad_token_id)
+            R = cfg.max_sample_rounds
+            batch, sample_args, score_args = sample.dapo_dynamic_sampling(
+                sample_round, i * R, R, cfg.num_prompts, cfg.group_size, models.tokenizer.pad_token_id, perf)
             sample_args.dapo_dynamic_sampling = True          # the file holds groups of several rounds
         else:
             batch, sample_args, score_args = sample_round(i)
@@ -334,6 +303,8 @@ def main(argv=None):
                 files.save_tensors(advantage_args.out, adv, files.ADVANTAGES[0], vars(advantage_args))
         # Stage 4: the clipped policy update.
         update_args = stage_args("update.py", cfg, it_dir, i, i, policy_path, None, commands)
+        with timed(perf, "perf/checkpoint_s"):
+            saver.wait()                                      # a save in flight reads the weights it changes
         with timed(perf, "perf/update_s"):
             losses = update.train_policy(models.policy, optimizer, rollouts, adv["advantages"], update_args)
             if models.sampler is not models.policy:           # FSDP: the full copy that samples follows
@@ -362,15 +333,15 @@ def main(argv=None):
         if bad_steps > cfg.max_bad_steps:
             saver.wait()
             raise StageError(f"{bad_steps} optimizer steps in this run had a non-finite loss or gradient, "
-                             f"more than --max-bad-steps {cfg.max_bad_steps}; stopped, {policy_dir} holds the "
-                             f"last good save ({saved_at} iterations)")
+                             f"more than --max-bad-steps {cfg.max_bad_steps}; stopped, {policy_dir} holds "
+                             f"the last good save ({saved_at} iterations)")
         t = time.perf_counter()
         if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
             checkpoints.save_resume_point(
                 models.policy, models.tokenizer, optimizer, losses, update_args, run_dir, i + 1, bad_steps,
                 saver, keep=checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations)
             saved_at = i + 1
-        metrics["perf/checkpoint_s"] = time.perf_counter() - t
+        metrics["perf/checkpoint_s"] += time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0
         if main:
             checkpoints.log_iteration(writer, bar, it_dir, i, metrics, batch["samples"], rewards,

@@ -23,20 +23,15 @@ Variants, one flag beside one `if` each (README's table has the formulas): --los
 
 Choices where the paper and FORMATS.md are silent:
 - log π_old is the rollouts' old_logprobs, never recomputed: the file is the record of what was
-  sampled. log π_θ is recomputed with modeling.completion_logprobs at the sampling temperature
-  (the rollouts' metadata; --temperature overrides), the function sample.py uses.
-- μ = --epochs passes; each pass shuffles the N rows with a seeded generator and cuts them into
-  minibatches of --minibatch-size completions, one AdamW step per minibatch. A minibatch is
-  processed in micro-batches of --micro-batch-size rows whose losses are divided by the
-  minibatch's normaliser (sequences or tokens), so the gradient does not depend on the split.
-- Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step.
-- Gradients are clipped to a total norm of --max-grad-norm; AdamW with weight decay 0 by default.
-- A row with no completion token is an error (it has no ℓ_t to average; sample.py never writes one).
-- --out DIR is replaced as a unit (written beside it, then renamed): it must be new, empty, or an
-  earlier checkpoint; a folder holding other files (say, the rollouts) is refused.
-- Under torchrun each minibatch's rows are split across the ranks (DDP, or FSDP2 with --fsdp); the
-  loss keeps the whole minibatch's normaliser, so loss, grad_norm and the step equal one process's.
-- metrics.json holds each metric measured before each optimizer step, averaged over the steps.
+  sampled. log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the
+  sampling temperature of the rollouts' metadata (--temperature overrides).
+- μ = --epochs passes, each a seeded shuffle of the N rows cut into minibatches of
+  --minibatch-size completions, one AdamW step each. A minibatch runs in micro-batches of
+  --micro-batch-size rows whose losses carry the minibatch's normaliser, so the gradient does not
+  depend on the split; under torchrun the ranks share each minibatch the same way.
+- Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step; gradients are
+  clipped to --max-grad-norm; a row with no completion token is an error.
+- --out DIR is replaced as a unit, so it must be new, empty, or an earlier checkpoint.
 """
 
 import json
@@ -48,30 +43,28 @@ import torch
 from tqdm import tqdm
 
 from grpo import checkpoints, diagnostics, distributed, files, modeling
-from grpo.cli import ArgumentParser, StageError, run_cli, warn
+from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn
 
 
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder)")
-    p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py (log π_old, log π_ref)")
+    p.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
     p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
     p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty to π_ref (default 0.01)")
-    p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (default 0.2)")
+    p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
+    p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
     p.add_argument("--clip-eps-high", type=float, default=None,
                    help="ε_high: upper clip 1+ε_high (DAPO's clip-higher uses 0.28; default: ε)")
     p.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
-                   help="seq: mean over sequences of the token mean (DeepSeekMath, default)\n"
-                        "token: Σ over tokens / token count (DAPO)\n"
-                        "dr_grpo: Σ over tokens / (N × L_max) (Dr. GRPO)")
+                   help="how ℓ_t is averaged: seq, the mean of the sequences' token means (DeepSeekMath,\n"
+                        "default); token, Σ ℓ_t / token count (DAPO); dr_grpo, Σ ℓ_t / (N × L_max)")
     p.add_argument("--dual-clip", type=float, default=None, metavar="C",
                    help="C: for A < 0 cap the token loss at C·|A|, C > 1 (dual-clip PPO, Ye et al. 2020)")
     p.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
-                   help="token: ρ_t per token (PPO, GRPO; default)\n"
-                        "sequence: one ρ_i = exp(mean_t log ρ_t) per completion, clipped per sequence\n"
-                        "(GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
+                   help="token: ρ_t per token (default); sequence: one ρ_i = exp(mean_t log ρ_t) per\n"
+                        "completion (GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
     p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
                    help="KL(π_θ‖π_ref) estimator in the loss, x = log π_ref − log π_θ (Schulman 2020):\n"
                         "k1 = −x, k2 = x²/2, k3 = eˣ − x − 1 (default; metrics.json's kl is always k3)")
@@ -80,7 +73,7 @@ def build_parser():
                    help="completions per optimizer step (default 0: all N, one step per epoch)")
     p.add_argument("--micro-batch-size", type=int, default=0,
                    help="rows per forward/backward, gradients accumulated (default 0: the minibatch)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient's total norm (default 1.0)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--temperature", type=float, default=None,
                    help="τ for log π_θ (default: the sampling τ in the rollouts' metadata, else 1.0)")
@@ -91,9 +84,8 @@ def build_parser():
     p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
     p.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard weights, gradients and AdamW's state with FSDP2 (default: DDP)")
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true", help="let the model folder run its own code")
+                   help="under torchrun: shard weights, gradients and AdamW's state (FSDP2, not DDP)")
+    add_runtime_flags(p)
     return p
 
 
@@ -273,8 +265,16 @@ def train_policy(policy, optimizer, rollouts, advantages, args):
     return metrics
 
 
-def make_optimizer(policy, lr, weight_decay=0.0):
-    return torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+def check_checkpoint_out(path):
+    """A checkpoint folder is replaced as a whole: refuse one that holds anything but a checkpoint."""
+    files.recover_dir(path)
+    if os.path.isfile(path):
+        raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
+    holds = os.path.isdir(path) and os.listdir(path)
+    if holds and not os.path.isfile(os.path.join(path, "config.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:3])
+        raise StageError(f"--out {path}: holds files that are not a checkpoint ({shown}, ...); the "
+                         f"checkpoint replaces the whole folder, so choose a new or empty one")
 
 
 def load_inputs(args):
@@ -307,7 +307,7 @@ def load_inputs(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    checkpoints.check_checkpoint_out(args.out)
+    check_checkpoint_out(args.out)
     if args.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
     rollouts, advantages = load_inputs(args)
@@ -315,10 +315,9 @@ def main(argv=None):
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     policy = modeling.load_model(args.model, device, args.trust_remote_code)
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
-    optimizer = make_optimizer(policy, args.lr, args.weight_decay)
     state_file = os.path.join(args.model, "optimizer.safetensors")
-    if os.path.isfile(state_file) and not args.fresh_optimizer:
-        checkpoints.load_optimizer_state(policy, optimizer, state_file)
+    resume = os.path.isfile(state_file) and not args.fresh_optimizer
+    optimizer = checkpoints.adamw(policy, args.lr, args.weight_decay, state_file if resume else None)
 
     t0 = time.perf_counter()
     metrics = train_policy(policy, optimizer, rollouts, advantages, args)

@@ -11,8 +11,8 @@ not end a completion on either side), τ = 0.7, β = 0.01, μ = 1, one AdamW ste
   --save-every iterations, in the background). Each stage's seconds come from its
   iter_XXXX/metrics.json. The iteration time is taken over one whole save cycle after --warmup
   (--save-every iterations, one of which saves): the median iteration, plus the cycle's excess over
-  save_every medians spread over the cycle, which is what the save costs a run (the copy of the
-  weights and AdamW's state, and the slower iterations while the writer thread runs).
+  save_every medians spread over the cycle, which is what the save costs a run (the slower
+  iterations while the saver's thread writes, and any wait for it before an update).
 - The floor, in this process, with no framework around it: one `model.generate` call for the 16
   completions (min_new_tokens = max_new_tokens = 32), one reference forward, one policy forward +
   backward + AdamW step on the same tokens. Median over the same number of repetitions, half of

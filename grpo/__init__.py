@@ -6,6 +6,7 @@
     distributed   torchrun: ranks, shards, gathers, gradient sync, DDP/FSDP2 wrapping
     checkpoints   checkpoints, optimizer state, and train.py's run folder (save, restore, replay)
     tasks         built-in prompt sets and the rule rewards that score them
+    reward_specs  reward functions by --reward SPEC: built-in, the user's function, a reward model
     diagnostics   how a GRPO run goes wrong, as numbers logged every iteration
     evaluation    greedy held-out answers of the policy beside the reference's
     builders      models that need no download: the default SmolLM2 and tiny Llamas for tests

@@ -8,8 +8,23 @@ import sys
 
 import torch
 
+from grpo import distributed
 from grpo.checkpoints import save_checkpoint
 from grpo.cli import StageError
+
+
+def base_model_dir(name, run_dir, seed=0):
+    """The folder of train.py's --model: SmolLM2-135M-Instruct for "", a tiny Llama built once in
+    RUN/base_model for "tiny", else `name` itself."""
+    if name != "tiny":
+        return default_model_dir() if name == "" else name
+    path = os.path.join(run_dir, "base_model")
+    if distributed.is_main() and not os.path.isfile(os.path.join(path, "config.json")):
+        make_tiny_llama(path, seed=seed)
+    distributed.barrier()
+    if not os.path.isfile(os.path.join(path, "config.json")):      # --check: a scratch folder per rank
+        make_tiny_llama(path, seed=seed)
+    return path
 
 
 def char_tokenizer():

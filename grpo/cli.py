@@ -38,6 +38,13 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def add_runtime_flags(parser):
+    """--device and --trust-remote-code, which every stage that loads a model takes."""
+    parser.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let model folders run their own Python code (default: never)")
+
+
 def warn(message):
     """A warning on stderr, printed once (by rank 0 under torchrun), above any progress bar."""
     if distributed.is_main():

@@ -122,21 +122,6 @@ def format_rows(idx, limit=10):
     return ", ".join(map(str, idx[:limit])) + (f" (and {len(idx) - limit} more)" if len(idx) > limit else "")
 
 
-def check_groups(group_ids, path):
-    """Check that each group's rows are contiguous and all groups have one size; return (B, G)."""
-    n = group_ids.numel()
-    starts = torch.ones(n, dtype=torch.bool)
-    starts[1:] = group_ids[1:] != group_ids[:-1]
-    run_ids = group_ids[starts]                                   # [B] one id per contiguous run
-    if run_ids.unique().numel() != run_ids.numel():
-        raise StageError(f"{path}: 'group_ids' are not contiguous (a group's rows must be adjacent)")
-    sizes = torch.diff(torch.nonzero(starts).flatten(), append=torch.tensor([n]))
-    if (sizes != sizes[0]).any():
-        raise StageError(f"{path}: groups have unequal sizes {sorted(set(sizes.tolist()))}; "
-                         f"every group needs G rows")
-    return run_ids.numel(), int(sizes[0])
-
-
 # ----------------------------------------------------------------------------------------
 # Atomic writes
 

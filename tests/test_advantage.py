@@ -1,4 +1,4 @@
-"""advantage.py: hand-computed vectors, invariants, and the errors DESIGN.md asks for."""
+"""advantage.py: hand-computed vectors, invariants, and the conventions of FORMATS.md."""
 
 import math
 import os

@@ -1,4 +1,4 @@
-"""Each diagnostic of diagnostics.py reacts to the failure it is for: hand-made batches for the
+"""Each diagnostic of grpo/diagnostics.py reacts to the failure it is for: hand-made batches for the
 functions, and the command lines (train.py --check, a short run, update.py) for the wiring."""
 
 import json

@@ -7,8 +7,7 @@ import torch
 from conftest import assert_user_error, cli
 from safetensors.torch import load_file
 
-from grpo import builders, checkpoints
-from grpo import tasks
+from grpo import builders, checkpoints, tasks
 
 
 @pytest.mark.parametrize("completion, answer, reward", [

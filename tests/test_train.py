@@ -146,3 +146,33 @@ def test_policy_folder_is_what_update_py_writes(tiny_run):
     last = json.loads((run_dir / "iter_0029" / "metrics.json").read_text())
     for key in ["loss", "policy_loss", "kl", "clip_frac", "ratio_mean", "ratio_max", "entropy", "grad_norm", "tokens"]:
         assert metrics[key] == last[f"losses/{key}"], key
+
+
+def test_a_slow_background_save_holds_the_weights_it_was_given(tmp_path, monkeypatch):
+    """The save after iteration 1 writes from the live weights in a thread; here it is held back a
+    second before writing, while the next iteration samples and updates. The kept checkpoint must
+    still be the policy after one iteration: the update waits for the save before changing them."""
+    from grpo import checkpoints
+
+    flags = ["--config", "tiny", "--save-every", 1, "--eval-every", 0]
+    assert cli("train.py", *flags, "--iterations", 1, "--run-dir", tmp_path / "one").code == 0
+    real_save_file = checkpoints.save_file
+
+    def slow_save_file(tensors, path, metadata=None):
+        time.sleep(1.0)
+        real_save_file(tensors, path, metadata)
+
+    monkeypatch.setattr(checkpoints, "save_file", slow_save_file)
+    r = cli("train.py", *flags, "--iterations", 3, "--run-dir", tmp_path / "three")
+    assert r.code == 0, r.err
+    assert_same_weights(tmp_path / "one" / "policy", tmp_path / "three" / "checkpoints" / "iter_0001")
+
+
+def test_a_field_reaches_every_stage_with_a_flag_of_its_name(tmp_path):
+    import train
+
+    _, cfg, _ = train.parse_args(["--config", "tiny", "--micro-batch-size", "5", "--eps", "0.01",
+                                  "--run-dir", str(tmp_path / "r")])
+    stage = {script: train.stage_args(script, cfg, "it", 0, 0, "m", None, []) for script in train.STAGES}
+    assert [stage[s].micro_batch_size for s in ("sample.py", "score.py", "update.py")] == [5, 5, 5]
+    assert stage["advantage.py"].eps == 0.01 and stage["update.py"].temperature == cfg.temperature

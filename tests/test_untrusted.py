@@ -12,8 +12,7 @@ from conftest import ROOT, assert_user_error, cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo import modeling
-from grpo import tasks
+from grpo import modeling, tasks
 
 HOSTILE = [
     "__import__('os').system('touch {marker}')",

@@ -11,7 +11,7 @@ from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from grpo import files, modeling
+from grpo import checkpoints, files, modeling
 import update
 
 LN2 = math.log(2.0)
@@ -98,7 +98,7 @@ def run_update(model_dir, rollouts, advantages, **flags):
         argv += ["--" + name.replace("_", "-"), str(value)]
     args = update.parse_args(argv)
     policy = modeling.load_model(model_dir, "cpu")
-    optimizer = update.make_optimizer(policy, args.lr)
+    optimizer = checkpoints.adamw(policy, args.lr)
     return policy, update.train_policy(policy, optimizer, rollouts, advantages, args)
 
 

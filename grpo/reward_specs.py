@@ -1,0 +1,87 @@
+"""Reward functions by --reward SPEC, all with TRL's signature
+
+    reward(prompts: list[str], completions: list[str], **fields) -> list[float]
+
+where `fields` holds every other column of samples.jsonl (for example `answer`) and
+`completion_ids`, one value per row. A SPEC is a built-in rule reward (grpo/tasks.py),
+`module:function` or `path/file.py:function` (the user's code, imported only when named), or a
+folder holding a Hugging Face sequence-classification reward model with one output.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import torch
+
+from grpo import distributed, modeling, tasks
+from grpo.cli import StageError
+
+
+def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
+    """Resolve a --reward SPEC to (name, function with the TRL reward signature)."""
+    if spec in tasks.REWARDS:
+        return spec, tasks.REWARDS[spec]
+    if ":" in spec:
+        return load_user_function(spec)
+    if os.path.isdir(spec):
+        name = os.path.basename(os.path.normpath(spec))
+        return name, reward_model_function(spec, device, micro_batch_size, trust_remote_code)
+    raise StageError(f"--reward {spec!r}: unknown reward; expected a built-in name "
+                     f"({', '.join(tasks.REWARDS)}), module:function, path/file.py:function, "
+                     f"or a reward-model folder")
+
+
+def load_user_function(spec):
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            if not os.path.isfile(target):
+                raise StageError(f"--reward {spec!r}: no such file {target}")
+            module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(target))}", target)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(target)
+    except StageError:
+        raise
+    except Exception as e:  # the user's module can raise anything on import; report it as one line
+        raise StageError(f"--reward {spec!r}: importing {target} failed ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise StageError(f"--reward {spec!r}: {target} has no function {name!r}")
+    return name, fn
+
+
+def reward_model_function(path, device, micro_batch_size, trust_remote_code=False):
+    """A reward function with TRL's signature, backed by a sequence-classification model."""
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = modeling.load_tokenizer(path, trust_remote_code)
+    model = modeling.load_model(path, device, trust_remote_code, AutoModelForSequenceClassification)
+    if model.config.num_labels != 1:
+        raise StageError(f"{path}: a reward model must have one output (num_labels=1), "
+                         f"this one has {model.config.num_labels}")
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+    @torch.inference_mode()
+    def reward_model(prompts, completions, messages=None, **fields):
+        texts = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            chat = messages[i] if messages is not None else None
+            if chat is not None and tokenizer.chat_template is not None:
+                texts.append(tokenizer.apply_chat_template(
+                    chat + [{"role": "assistant", "content": completion}], tokenize=False))
+            else:
+                texts.append(prompt + completion)
+        scores = []
+        for rows in distributed.row_slices(len(texts), micro_batch_size):
+            batch = tokenizer(texts[rows], return_tensors="pt", padding=True, add_special_tokens=False)
+            scores.append(model(**batch.to(device)).logits[:, 0].float().cpu())             # [n]
+        return torch.cat(scores).tolist()
+
+    return reward_model
