@@ -18,9 +18,6 @@ Example:
         --advantages it0/advantages.safetensors --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2 \\
         --loss-agg seq --epochs 1 --minibatch-size 16
 
-Variants, one flag beside one `if` each (README's table has the formulas): --loss-agg token|dr_grpo,
---clip-eps-high (DAPO), --dual-clip, --ratio-level sequence (GSPO), --kl-estimator k1|k2.
-
 Choices where the paper and FORMATS.md are silent:
 - log π_old is the rollouts' old_logprobs, never recomputed: the file is the record of what was
   sampled. log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the
@@ -55,8 +52,7 @@ def build_parser():
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
     p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
-    p.add_argument("--clip-eps-high", type=float, default=None,
-                   help="ε_high: upper clip 1+ε_high (DAPO's clip-higher uses 0.28; default: ε)")
+    p.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
     p.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
                    help="how ℓ_t is averaged: seq, the mean of the sequences' token means (DeepSeekMath,\n"
                         "default); token, Σ ℓ_t / token count (DAPO); dr_grpo, Σ ℓ_t / (N × L_max)")
@@ -69,22 +65,16 @@ def build_parser():
                    help="KL(π_θ‖π_ref) estimator in the loss, x = log π_ref − log π_θ (Schulman 2020):\n"
                         "k1 = −x, k2 = x²/2, k3 = eˣ − x − 1 (default; metrics.json's kl is always k3)")
     p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
-    p.add_argument("--minibatch-size", type=int, default=0,
-                   help="completions per optimizer step (default 0: all N, one step per epoch)")
-    p.add_argument("--micro-batch-size", type=int, default=0,
-                   help="rows per forward/backward, gradients accumulated (default 0: the minibatch)")
+    p.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="τ for log π_θ (default: the sampling τ in the rollouts' metadata, else 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="L_max for --loss-agg dr_grpo (default: the rollouts' metadata)")
-    p.add_argument("--max-bad-steps", type=int, default=5,
-                   help="non-finite steps skipped before stopping with an error (default 5)")
+    p.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
+    p.add_argument("--max-bad-steps", type=int, default=5, help="non-finite steps skipped, at most (5)")
     p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard weights, gradients and AdamW's state (FSDP2, not DDP)")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
     add_runtime_flags(p)
     return p
 
@@ -162,10 +152,12 @@ def micro_batch_loss(policy, batch, advantages, num_seqs, num_tokens, args):
     return loss, {**terms, "logp": logp, "entropy": entropy, "policy_loss": policy_loss}
 
 
-# Metrics summed over a minibatch's micro-batches (and ranks) before each step; TOKEN_SUMS are
-# sums over completion tokens of the per-token terms, divided by the token count at the end.
-TOKEN_SUMS = ("kl", "kl_penalty", "clipped_low", "clipped_high", "dual_clipped", "ratio", "entropy")
-SUMS = ("loss", "policy_loss", "logprob_diff", *TOKEN_SUMS)
+# Metrics summed over a minibatch's micro-batches (and ranks) before each step: metrics.json's
+# per-token means, each the sum over completion tokens of a term, divided by the token count.
+TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped_low",
+               "clip_frac_high": "clipped_high", "clip_frac_dual": "dual_clipped", "ratio_mean": "ratio",
+               "entropy": "entropy"}
+SUMS = ("loss", "policy_loss", "logprob_diff", *TOKEN_MEANS)
 MAXES = ("ratio", "logprob_diff")
 
 
@@ -175,8 +167,8 @@ def add_metrics(sums, maxes, loss, terms, batch):
     mask = batch["completion_mask"]                                            # [n, T]
     sums["loss"] += loss.item()
     sums["policy_loss"] += terms["policy_loss"].item()
-    for key in TOKEN_SUMS:
-        sums[key] += torch.where(mask, terms[key].float(), 0.0).sum().item()
+    for name, term in TOKEN_MEANS.items():
+        sums[name] += torch.where(mask, terms[term].float(), 0.0).sum().item()
     diff_max, diff_sum = diagnostics.logprob_mismatch(terms["logp"], batch["old_logprobs"], mask)
     sums["logprob_diff"] += diff_sum
     maxes["logprob_diff"] = max(maxes["logprob_diff"], diff_max)
@@ -184,16 +176,13 @@ def add_metrics(sums, maxes, loss, terms, batch):
 
 
 def step_metrics(sums, maxes, grad_norm, num_tokens, has_ref):
-    """One optimizer step's metrics, in metrics.json's names."""
-    per_token = {key: sums[key] / num_tokens for key in TOKEN_SUMS}
-    return {"loss": sums["loss"], "policy_loss": sums["policy_loss"],
-            "kl": per_token["kl"] if has_ref else None,
-            "kl_penalty": per_token["kl_penalty"] if has_ref else None,
-            "clip_frac": per_token["clipped_low"] + per_token["clipped_high"],
-            "clip_frac_low": per_token["clipped_low"], "clip_frac_high": per_token["clipped_high"],
-            "clip_frac_dual": per_token["dual_clipped"], "ratio_mean": per_token["ratio"],
-            "ratio_max": maxes["ratio"], "entropy": per_token["entropy"], "grad_norm": grad_norm,
-            "tokens": num_tokens}
+    """One optimizer step's metrics, in metrics.json's names (kl is null without ref_logprobs)."""
+    per_token = {name: sums[name] / num_tokens for name in TOKEN_MEANS}
+    if not has_ref:
+        per_token["kl"] = per_token["kl_penalty"] = None
+    return {"loss": sums["loss"], "policy_loss": sums["policy_loss"], **per_token,
+            "clip_frac": per_token["clip_frac_low"] + per_token["clip_frac_high"],
+            "ratio_max": maxes["ratio"], "grad_norm": grad_norm, "tokens": num_tokens}
 
 
 def skip_step(optimizer, skipped, grad_norm, loss, max_bad_steps):
