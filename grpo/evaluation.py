@@ -1,5 +1,7 @@
-"""Held-out evaluation: the policy and the reference answer the same prompts greedily, side by side
-in eval/iter_XXXX.jsonl, and their rewards are logged under eval/."""
+"""Held-out evaluation: greedy answers of the policy beside the reference's, and their rewards.
+
+train.py writes them side by side to eval/iter_XXXX.jsonl and logs the rewards under eval/.
+"""
 
 import os
 

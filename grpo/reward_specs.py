@@ -1,4 +1,6 @@
-"""Reward functions by --reward SPEC, all with TRL's signature
+"""Reward functions by --reward SPEC: a built-in, the user's function, or a reward model.
+
+Every one has TRL's signature
 
     reward(prompts: list[str], completions: list[str], **fields) -> list[float]
 
