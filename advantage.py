@@ -47,8 +47,13 @@ def build_parser():
                    help="grpo: A = (r − mean)/(std + ε) per group (DeepSeekMath, default)\n"
                         "dr_grpo: A = r − mean, no std (Dr. GRPO, Liu et al. 2025)\n"
                         "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)\n"
-                        "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups; the\n"
-                        "  source article calls this the most serious error a GRPO implementation can make")
+                        "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups (mean\n"
+                        "  and std of all N; TRL's scale_rewards='batch' keeps the group mean: that is\n"
+                        "  --scale batch); the source article calls this the most serious error a GRPO\n"
+                        "  implementation can make")
+    p.add_argument("--scale", default="group", choices=["group", "batch", "none"],
+                   help="what grpo divides r − group mean by (TRL's scale_rewards): the group's std\n"
+                        "(default), the whole batch's std, or nothing (then grpo is dr_grpo)")
     p.add_argument("--eps", type=float, default=1e-4, help="ε in std + ε, grpo and batch (default 1e-4)")
     p.add_argument("--length-strata", type=int, default=1, metavar="S",
                    help="S: split each prompt's G completions by length into S strata of G/S\n"
@@ -64,6 +69,8 @@ def parse_args(argv=None):
         raise StageError(f"--length-strata must be at least 1, got {args.length_strata}")
     if not (math.isfinite(args.eps) and args.eps >= 0):
         raise StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
+    if args.scale != "group" and args.estimator != "grpo":
+        raise StageError(f"--scale {args.scale} applies to --estimator grpo, not {args.estimator}")
     return args
 
 
@@ -91,12 +98,18 @@ def group_rewards(rewards, group_ids, path="group_ids"):
     return rewards.double().reshape(B, G)                                   # [B, G]
 
 
-def grpo_advantages(rewards, group_ids, eps=1e-4):
-    """A_i = (r_i − mean) / (std + ε) within each group; exactly 0 for all-equal groups. [N] -> [N]"""
+def grpo_advantages(rewards, group_ids, eps=1e-4, scale="group"):
+    """A_i = (r_i − mean) / (std + ε) within each group; exactly 0 for all-equal groups. [N] -> [N]
+    `scale`: std is the group's (DeepSeekMath), the whole batch's ("batch"), or 1 with no ε ("none")."""
     r = group_rewards(rewards, group_ids)                                   # [B, G]
     mean = r.mean(-1, keepdim=True)                                         # [B, 1]
-    std = r.std(-1, keepdim=True)                                           # [B, 1] Bessel-corrected
-    A = torch.where(all_equal_groups(r)[:, None], 0.0, (r - mean) / (std + eps))   # [B, G]
+    if scale == "group":
+        denominator = r.std(-1, keepdim=True) + eps                         # [B, 1] Bessel-corrected
+    elif scale == "batch":
+        denominator = r.std() + eps                                         # [] over all N rewards
+    else:
+        denominator = 1.0
+    A = torch.where(all_equal_groups(r)[:, None], 0.0, (r - mean) / denominator)   # [B, G]
     return A.flatten().float()
 
 
@@ -157,7 +170,7 @@ def compute_advantages(rewards, group_ids, args, lengths=None):
         A[order] = inner["advantages"]                                  # back to the file's row order
         return {**inner, "advantages": A, "group_ids": group_ids}
     if args.estimator == "grpo":
-        A = grpo_advantages(rewards, group_ids, args.eps)
+        A = grpo_advantages(rewards, group_ids, args.eps, args.scale)
     elif args.estimator == "dr_grpo":
         A = dr_grpo_advantages(rewards, group_ids)
     elif args.estimator == "rloo":

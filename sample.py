@@ -125,17 +125,6 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     return completion_ids, completion_mask, logprobs, ~finished
 
 
-@torch.inference_mode()
-def reference_logprobs(ref_model, tensors, temperature, micro_batch_size):
-    """log π_ref of every completion token, at the sampling temperature. [N, T]"""
-    out = []
-    for rows in distributed.row_slices(tensors["prompt_ids"].shape[0], micro_batch_size):
-        out.append(modeling.completion_logprobs(
-            ref_model, tensors["prompt_ids"][rows], tensors["prompt_mask"][rows],
-            tensors["completion_ids"][rows], tensors["completion_mask"][rows], temperature))
-    return torch.cat(out)
-
-
 def pad_right(tensors, value):
     """Stack [n_i, T_i] chunks into [sum n_i, max T_i], padding on the right."""
     T = max(t.shape[1] for t in tensors)
@@ -196,8 +185,8 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
         "truncated": torch.cat(chunks["truncated"]),                                     # [N]
     }
     if ref_model is not None:
-        tensors["ref_logprobs"] = reference_logprobs(ref_model, tensors, args.temperature,
-                                                     args.micro_batch_size)                    # [N, T]
+        tensors["ref_logprobs"] = modeling.rollout_logprobs(ref_model, tensors, args.temperature,
+                                                            args.micro_batch_size)             # [N, T]
 
     samples = []
     for row in range(N):

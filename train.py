@@ -56,18 +56,24 @@ class Config:
     max_new_tokens: int = knob(24, "L_max: completion length limit")
     temperature: float = knob(0.7, "τ: sampling temperature")
     lr: float = knob(1e-5, "learning rate")
+    lr_schedule: str = knob("constant", "constant, linear or cosine decay to 0 over the run's AdamW steps")
+    warmup_steps: int = knob(0, "linear learning-rate warm-up, in AdamW steps")
     beta: float = knob(0.01, "β: KL weight")
     clip_eps: float = knob(0.2, "ε (ε_low): clip range")
     clip_eps_high: float = knob(None, "ε_high: upper clip (DAPO); unset = ε")
     dual_clip: float = knob(None, "C: dual-clip cap for A < 0; unset = off")
     ratio_level: str = knob("token", "token, or sequence (GSPO)")
     kl_estimator: str = knob("k3", "k1, k2, k3: the KL estimator in the loss")
+    entropy_coef: float = knob(0.0, "c: entropy bonus −c·H_t in the loss")
+    mask_truncated: bool = knob(False, "no loss on completions without EOS (DAPO)")
+    old_logprobs: str = knob(None, "sampler or recompute; unset: sampler on a CPU, recompute on a GPU")
     loss_agg: str = knob("seq", "loss aggregation: seq, token, dr_grpo")
     epochs: int = knob(1, "μ: passes over each batch")
     minibatch_size: int = knob(0, "completions per optimizer step; 0 = all")
     micro_batch_size: int = knob(0, "rows per forward pass of every stage; 0 = all")
     max_bad_steps: int = knob(5, "non-finite steps the whole run may skip before it stops")
     estimator: str = knob("grpo", "advantage estimator: grpo, dr_grpo, rloo, batch")
+    scale: str = knob("group", "grpo's std: group, batch or none (TRL's scale_rewards)")
     eps: float = knob(1e-4, "ε in std + ε")
     length_strata: int = knob(1, "S: length strata per group")
     rewards: list = knob([], "score.py's --reward SPECs; default: the task's")
@@ -120,9 +126,10 @@ def parse_args(argv=None):
         if not os.path.isfile(os.path.join(run_dir, "config.json")):
             raise StageError(f"{run_dir}: no config.json to resume from")
         cfg = Config(**files.read_json(os.path.join(run_dir, "config.json"))["config"])
-        if set(overrides) - RESUMABLE:
+        resumable = RESUMABLE - ({"iterations"} if cfg.lr_schedule != "constant" else set())
+        if set(overrides) - resumable:         # a decaying learning rate spans the run's iterations
             raise StageError(f"--resume keeps the run's configuration; cannot change "
-                             f"--{', --'.join(sorted(set(overrides) - RESUMABLE))}")
+                             f"--{', --'.join(sorted(set(overrides) - resumable))}")
     else:
         if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
             raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
@@ -142,6 +149,7 @@ def stage_args(script, cfg, it_dir, slot, i, model_path, ref_path, commands):
     every field of the configuration that is one of its flags, and the files of `it_dir`; the records
     and the sampler's seed come from `slot`. The equivalent command is appended to `commands`."""
     path = {k: os.path.join(it_dir, f"{k}.safetensors") for k in ("rollouts", "rewards", "advantages")}
+    minibatches = len(distributed.row_slices(cfg.num_prompts * cfg.group_size, cfg.minibatch_size))
     own = {"sample.py": dict(model=model_path, prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
                              ref_model=ref_path, seed=cfg.seed * 1_000_003 + slot),
            "score.py": dict(rollouts=path["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"),
@@ -149,7 +157,8 @@ def stage_args(script, cfg, it_dir, slot, i, model_path, ref_path, commands):
            "advantage.py": dict(rewards=path["rewards"], out=path["advantages"]),
            "update.py": dict(model=model_path, rollouts=path["rollouts"], advantages=path["advantages"],
                              out=os.path.join(os.path.dirname(it_dir), "policy"),
-                             seed=cfg.seed * 1_000_003 + i)}
+                             seed=cfg.seed * 1_000_003 + i,
+                             total_steps=cfg.iterations * cfg.epochs * minibatches)}
     stage = STAGES[script]
     shared = {a.dest: getattr(cfg, a.dest) for a in stage.build_parser()._actions
               if hasattr(cfg, a.dest) and a.dest not in own[script]}
@@ -251,6 +260,8 @@ def main(argv=None):
         raise StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
     if cfg.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
+    if cfg.kl_estimator == "k1" and cfg.beta != 0:
+        warn(diagnostics.K1_WARNING)
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -311,7 +322,7 @@ def main(argv=None):
                 models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy), strict=False)
 
         completions = [s["completion"] for s in batch["samples"]]
-        on_policy = ("logprob_diff_max", "logprob_diff_mean", "skipped_steps")
+        on_policy = ("logprob_diff_max", "logprob_diff_mean", "outside_clip_on_policy", "skipped_steps")
         metrics = {"iteration": i, **diagnostics.iteration_metrics(
             rollouts, rewards, batch["components"], batch["skipped"], completions, cfg.group_size),
             **{f"losses/{k}": v for k, v in losses.items() if k not in on_policy},

@@ -19,9 +19,14 @@ Example:
         --loss-agg seq --epochs 1 --minibatch-size 16
 
 Choices where the paper and FORMATS.md are silent:
-- log π_old is the rollouts' old_logprobs, never recomputed: the file is the record of what was
-  sampled. log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the
-  sampling temperature of the rollouts' metadata (--temperature overrides).
+- log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the sampling
+  temperature of the rollouts' metadata (--temperature overrides). log π_old is the rollouts'
+  old_logprobs on a CPU, where sampler and update both run in float32 and agree to about 1e-6;
+  on a GPU it is recomputed by this forward before the first step (--old-logprobs recompute),
+  because the sampler's bf16 steps differ from a full forward by rounding, and a tight clip band
+  (GSPO's) would count that rounding as policy change.
+- x = log π_ref − log π_θ is clamped to ±20 inside k3 (e^x overflows float32 at 88), and β = 0
+  leaves the penalty out of ℓ_t altogether.
 - μ = --epochs passes, each a seeded shuffle of the N rows cut into minibatches of
   --minibatch-size completions, one AdamW step each. A minibatch runs in micro-batches of
   --micro-batch-size rows whose losses carry the minibatch's normaliser, so the gradient does not
@@ -50,6 +55,10 @@ def build_parser():
     p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
     p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
+                   help="lr by AdamW step: constant, or a linear or cosine decay to 0 at --total-steps")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over this many AdamW steps")
+    p.add_argument("--total-steps", type=int, default=None, help="AdamW steps it spans (train.py sets it)")
     p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
     p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
     p.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
@@ -62,8 +71,15 @@ def build_parser():
                    help="token: ρ_t per token (default); sequence: one ρ_i = exp(mean_t log ρ_t) per\n"
                         "completion (GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
     p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
-                   help="KL(π_θ‖π_ref) estimator in the loss, x = log π_ref − log π_θ (Schulman 2020):\n"
-                        "k1 = −x, k2 = x²/2, k3 = eˣ − x − 1 (default; metrics.json's kl is always k3)")
+                   help="KL estimator in the loss, x = log π_ref − log π_θ (Schulman 2020): k1 = −x,\n"
+                        "whose expected gradient on-policy is 0 (noise only); k2 = x²/2, the gradient of\n"
+                        "KL(π_θ‖π_ref); k3 = eˣ − x − 1 (default), that of KL(π_ref‖π_θ). metrics: k3")
+    p.add_argument("--entropy-coef", type=float, default=0.0, help="c: add −c·H_t to ℓ_t (verl; default 0)")
+    p.add_argument("--mask-truncated", action="store_true",
+                   help="no loss on completions that reached L_max without EOS (DAPO's overlong filtering)")
+    p.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
+                   help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
+                        "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
     p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
     p.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
@@ -88,12 +104,19 @@ def parse_args(argv=None):
                          f"got {args.dual_clip}")
     if args.epochs < 1:
         raise StageError(f"--epochs must be at least 1, got {args.epochs}")
+    if args.lr_schedule != "constant" and not args.total_steps:
+        raise StageError(f"--lr-schedule {args.lr_schedule} decays to 0 at --total-steps, which is missing")
+    if args.warmup_steps < 0:
+        raise StageError(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
+    if args.old_logprobs is None:   # bf16 autocast on a GPU makes the sampler's and the update's differ
+        args.old_logprobs = "recompute" if distributed.pick_device(args.device).type == "cuda" else "sampler"
     return args
 
 
 def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, beta, clip_eps, clip_eps_high,
-                    dual_clip=None, ratio_level="token", kl_estimator="k3"):
-    """ℓ_t of FORMATS.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T]."""
+                    dual_clip=None, ratio_level="token", kl_estimator="k3", entropy=None, entropy_coef=0.0):
+    """ℓ_t of FORMATS.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T].
+    With entropy_coef c, ℓ_t also holds −c·H_t (`entropy` [n, T], with its gradient; verl)."""
     A = advantages[:, None] if advantages.dim() == 1 else advantages          # [n, 1] or [n, T]
     log_ratio = logp - old_logp                                                # [n, T]
     if ratio_level == "sequence":  # GSPO: one ratio per completion, exp of the mean token log-ratio
@@ -107,18 +130,22 @@ def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, beta, clip_eps, 
     if dual_clip is not None:      # dual-clip PPO: with A < 0 the loss is at most C·|A|, however large ρ is
         dual_clipped = (A < 0) & (pg_loss > dual_clip * A.abs())
         pg_loss = torch.where(dual_clipped, dual_clip * A.abs(), pg_loss)
+    kl = penalty = torch.zeros_like(logp)
     if ref_logp is not None:
-        x = ref_logp - logp                                                    # log π_ref − log π_θ
+        # x = log π_ref − log π_θ, bounded to ±20 as verl does: e^x overflows float32 beyond 88.
+        x = (ref_logp - logp).clamp(-20.0, 20.0)                               # [n, T]
         kl = torch.exp(x) - x - 1                                              # k3_t, the KL that is reported
-        if kl_estimator == "k1":
+        if kl_estimator == "k1":    # E[∇k1] = −E[∇ log π_θ] = 0 on-policy: noise only (warned)
             penalty = -x
-        elif kl_estimator == "k2":
+        elif kl_estimator == "k2":  # E[∇k2] = ∇ KL(π_θ‖π_ref)
             penalty = x ** 2 / 2
-        else:
+        else:                       # E[∇k3] = ∇ KL(π_ref‖π_θ)
             penalty = kl
-    else:
-        kl = penalty = torch.zeros_like(logp)
-    loss = pg_loss + beta * penalty                                            # ℓ_t            [n, T]
+    loss = pg_loss                                                             # ℓ_t            [n, T]
+    if beta != 0:                   # β = 0 adds no penalty at all (0·inf would be NaN)
+        loss = loss + beta * penalty
+    if entropy_coef != 0:
+        loss = loss - entropy_coef * entropy
     terms = {"pg_loss": pg_loss, "kl": kl, "kl_penalty": penalty, "ratio": ratio,
              "dual_clipped": dual_clipped,
              "clipped_low": (ratio < 1 - clip_eps) & (A < 0),                  # the clip is the active term
@@ -137,17 +164,18 @@ def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
 
 
 def micro_batch_loss(policy, batch, advantages, num_seqs, num_tokens, args):
-    """This micro-batch's share of the minibatch loss, and the per-token terms of its metrics."""
-    mask = batch["completion_mask"]                                            # [n, T]
+    """This micro-batch's share of the minibatch loss, and the per-token terms of its metrics. The
+    loss covers the tokens of loss_mask: completion_mask, less truncated rows with --mask-truncated."""
+    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]             # [n, T]
     logp, entropy = modeling.completion_logprobs(
         policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask, args.temperature,
-        with_entropy=True)                                                     # log π_θ, H   [n, T]
+        with_entropy=True, entropy_grad=args.entropy_coef != 0)                # log π_θ, H   [n, T]
     token_loss, terms = grpo_token_loss(
         logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages, mask, args.beta, args.clip_eps,
-        args.clip_eps_high, args.dual_clip, args.ratio_level, args.kl_estimator)
-    loss = aggregate(token_loss, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+        args.clip_eps_high, args.dual_clip, args.ratio_level, args.kl_estimator, entropy, args.entropy_coef)
+    loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
     with torch.no_grad():
-        policy_loss = aggregate(terms["pg_loss"], mask, args.loss_agg, num_seqs, num_tokens,
+        policy_loss = aggregate(terms["pg_loss"], loss_mask, args.loss_agg, num_seqs, num_tokens,
                                 args.max_new_tokens)
     return loss, {**terms, "logp": logp, "entropy": entropy, "policy_loss": policy_loss}
 
@@ -157,32 +185,60 @@ def micro_batch_loss(policy, batch, advantages, num_seqs, num_tokens, args):
 TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped_low",
                "clip_frac_high": "clipped_high", "clip_frac_dual": "dual_clipped", "ratio_mean": "ratio",
                "entropy": "entropy"}
-SUMS = ("loss", "policy_loss", "logprob_diff", *TOKEN_MEANS)
+# The on-policy check (the first minibatch, before any step) adds: |log π_θ − log π_old| summed over
+# completion tokens, and the tokens (sequences, at --ratio-level sequence) outside the clip band.
+SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "completion_tokens", "outside_clip", "checked")
 MAXES = ("ratio", "logprob_diff")
 
 
 @torch.no_grad()
-def add_metrics(sums, maxes, loss, terms, batch):
+def add_metrics(sums, maxes, loss, terms, batch, args):
     """Add a micro-batch to the minibatch's sums and maxima (dicts keyed by name)."""
-    mask = batch["completion_mask"]                                            # [n, T]
+    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]             # [n, T]
     sums["loss"] += loss.item()
     sums["policy_loss"] += terms["policy_loss"].item()
     for name, term in TOKEN_MEANS.items():
-        sums[name] += torch.where(mask, terms[term].float(), 0.0).sum().item()
+        sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
+    if loss_mask.any():
+        maxes["ratio"] = max(maxes["ratio"], terms["ratio"][loss_mask].max().item())
     diff_max, diff_sum = diagnostics.logprob_mismatch(terms["logp"], batch["old_logprobs"], mask)
     sums["logprob_diff"] += diff_sum
+    sums["completion_tokens"] += mask.sum().item()
     maxes["logprob_diff"] = max(maxes["logprob_diff"], diff_max)
-    maxes["ratio"] = max(maxes["ratio"], terms["ratio"][mask].max().item())
+    ratio = terms["ratio"] if args.ratio_level == "token" else terms["ratio"][:, :1]    # [n, T] or [n, 1]
+    checked = mask if args.ratio_level == "token" else mask.any(-1, keepdim=True)
+    outside = (ratio < 1 - args.clip_eps) | (ratio > 1 + args.clip_eps_high)
+    sums["outside_clip"] += (outside & checked).sum().item()
+    sums["checked"] += checked.sum().item()
 
 
-def step_metrics(sums, maxes, grad_norm, num_tokens, has_ref):
+def step_metrics(sums, maxes, grad_norm, num_tokens, has_ref, lr):
     """One optimizer step's metrics, in metrics.json's names (kl is null without ref_logprobs)."""
     per_token = {name: sums[name] / num_tokens for name in TOKEN_MEANS}
     if not has_ref:
         per_token["kl"] = per_token["kl_penalty"] = None
     return {"loss": sums["loss"], "policy_loss": sums["policy_loss"], **per_token,
             "clip_frac": per_token["clip_frac_low"] + per_token["clip_frac_high"],
-            "ratio_max": maxes["ratio"], "grad_norm": grad_norm, "tokens": num_tokens}
+            "ratio_max": maxes["ratio"], "grad_norm": grad_norm, "tokens": num_tokens, "lr": lr}
+
+
+def scheduled_lr(args, step):
+    """The learning rate of AdamW's step `step` (0 for the first): a linear warm-up over
+    --warmup-steps, then --lr, constant or decaying (linearly or as a half cosine) to 0 at --total-steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.lr
+    progress = min((step - args.warmup_steps) / max(args.total_steps - args.warmup_steps, 1), 1.0)
+    if args.lr_schedule == "linear":
+        return args.lr * (1 - progress)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def adamw_steps(optimizer):
+    """Steps AdamW has taken: its state's `step`, which optimizer.safetensors keeps across resumes."""
+    state = next(iter(optimizer.state.values()), None)
+    return int(state["step"]) if state else 0
 
 
 def skip_step(optimizer, skipped, grad_norm, loss, max_bad_steps):
@@ -207,6 +263,14 @@ def train_policy(policy, optimizer, rollouts, advantages, args):
     device = next(policy.parameters()).device
     N = rollouts["group_ids"].shape[0]
     has_ref = "ref_logprobs" in rollouts
+    loss_mask = rollouts["completion_mask"]                                                # [N, T]
+    if args.mask_truncated:            # DAPO's overlong filtering: no loss on completions without EOS
+        loss_mask = loss_mask & ~rollouts["truncated"][:, None]
+    rollouts = {**rollouts, "loss_mask": loss_mask}
+    if args.old_logprobs == "recompute":
+        # Every rank computes all rows: under FSDP each forward is a collective.
+        rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature,
+                                                             args.micro_batch_size).cpu()      # [N, T]
     generator = torch.Generator().manual_seed(args.seed)
     minibatches = distributed.row_slices(N, args.minibatch_size)
     steps, skipped, on_policy = [], 0, None
@@ -216,7 +280,7 @@ def train_policy(policy, optimizer, rollouts, advantages, args):
         order = torch.randperm(N, generator=generator)                                    # [N]
         for minibatch in minibatches:
             rows = order[minibatch]                                                         # [M]
-            num_tokens = int(rollouts["completion_mask"][rows].sum())
+            num_tokens = max(int(loss_mask[rows].sum()), 1)
             sums, maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
             optimizer.zero_grad(set_to_none=True)
             passes = distributed.micro_batches(rows, args.micro_batch_size)
@@ -227,29 +291,34 @@ def train_policy(policy, optimizer, rollouts, advantages, args):
                                                    num_tokens, args)
                     (loss * weight).backward()   # DDP and FSDP average over ranks; × world makes it a sum
                 if weight:
-                    add_metrics(sums, maxes, loss, terms, batch)
+                    add_metrics(sums, maxes, loss, terms, batch, args)
             sums, maxes = distributed.all_reduce(sums, "sum"), distributed.all_reduce(maxes, "max")
             norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             grad_norm = float(distributed.full_tensor(norm))
             if on_policy is None:            # the first minibatch, before any step: π_θ is π_old
-                on_policy = (maxes["logprob_diff"], sums["logprob_diff"] / num_tokens)
+                on_policy = {"logprob_diff_max": maxes["logprob_diff"],
+                             "logprob_diff_mean": sums["logprob_diff"] / sums["completion_tokens"],
+                             "outside_clip_on_policy": sums["outside_clip"] / sums["checked"]}
             bar.update(1)
             if not (math.isfinite(grad_norm) and math.isfinite(sums["loss"])):
                 skipped = skip_step(optimizer, skipped, grad_norm, sums["loss"], args.max_bad_steps)
                 continue
+            lr = scheduled_lr(args, adamw_steps(optimizer))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             optimizer.step()
-            steps.append(step_metrics(sums, maxes, grad_norm, num_tokens, has_ref))
+            steps.append(step_metrics(sums, maxes, grad_norm, num_tokens, has_ref, lr))
             bar.set_postfix(loss=f"{sums['loss']:.4f}")
     bar.close()
     if steps:
         metrics = {k: None if v is None else sum(s[k] for s in steps) / len(steps)
                    for k, v in steps[0].items()}
     else:                                    # every step was skipped: the names, no values
-        metrics = dict.fromkeys(step_metrics(sums, maxes, grad_norm, num_tokens, has_ref))
-    metrics.update(optimizer_steps=len(steps), skipped_steps=skipped,
-                   logprob_diff_max=on_policy[0], logprob_diff_mean=on_policy[1])
-    warning = diagnostics.mismatch_warning(*on_policy)
-    if warning:
+        metrics = dict.fromkeys(step_metrics(sums, maxes, grad_norm, num_tokens, has_ref, args.lr))
+    metrics.update(optimizer_steps=len(steps), skipped_steps=skipped, **on_policy)
+    warnings = [diagnostics.mismatch_warning(on_policy["logprob_diff_max"], on_policy["logprob_diff_mean"]),
+                diagnostics.clip_band_warning(on_policy["outside_clip_on_policy"], args.ratio_level)]
+    for warning in filter(None, warnings):
         warn(warning)
     return metrics
 
@@ -299,6 +368,8 @@ def main(argv=None):
     check_checkpoint_out(args.out)
     if args.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
+    if args.kl_estimator == "k1" and args.beta != 0:
+        warn(diagnostics.K1_WARNING)
     rollouts, advantages = load_inputs(args)
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)

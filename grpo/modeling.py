@@ -10,6 +10,7 @@ import os
 import torch
 
 from grpo.cli import StageError
+from grpo.distributed import row_slices
 from grpo.files import recover_dir
 
 
@@ -131,19 +132,20 @@ def left_pad(token_lists, pad_id):
 # ----------------------------------------------------------------------------------------
 # Per-token log-probs
 
-def logprobs_from_logits(logits, tokens, temperature, with_entropy=False):
+def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, entropy_grad=False):
     """log softmax(logits / τ) at `tokens`, via logsumexp and gather (no [.., V] log-softmax kept).
 
     logits [..., V], tokens [...] -> [...], in float32 whatever the forward pass ran in. With
-    `with_entropy`, also the entropy of each distribution (detached: a metric), from the same z.
+    `with_entropy`, also the entropy of each distribution from the same z: detached (a metric), or
+    with its gradient when `entropy_grad` (an entropy bonus in the loss).
     """
     z = logits.float() / temperature                                             # [..., V]
     lse = z.logsumexp(-1)                                                        # [...]
     logp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse                  # [...]
     if not with_entropy:
         return logp
-    with torch.no_grad():
-        p = (z - lse.unsqueeze(-1)).exp_()                                       # [..., V] softmax(z)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        p = (z - lse.unsqueeze(-1)).exp()                                        # [..., V] softmax(z)
         entropy = lse - torch.einsum("...v,...v->...", p, z)                     # H = lse − Σ p z
     return logp, entropy
 
@@ -155,12 +157,13 @@ def autocast(device):
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                        with_entropy=False):
+                        with_entropy=False, entropy_grad=False):
     """Per-token log-probs of the completions under `model` at temperature τ, 0 where the mask is false.
 
     prompt_ids/prompt_mask [n, P] (left-padded), completion_ids/completion_mask [n, T].
     Returns logp [n, T] and, with `with_entropy`, the entropy of each next-token distribution [n, T]
-    (detached: it is a metric). Position ids count real tokens only, so left padding does not move them.
+    (detached, unless `entropy_grad`). Position ids count real tokens only, so left padding does not
+    move them.
     """
     T_full = completion_ids.shape[1]
     # Padding columns that no row uses cost compute and change nothing: drop them, pad back at the end.
@@ -176,12 +179,23 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     with autocast(input_ids.device):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        logits_to_keep=T + 1, use_cache=False).logits[:, :-1]      # [n, T', V]
-    out = logprobs_from_logits(logits, completion_ids, temperature, with_entropy)
+    out = logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad)
     logp, entropy = out if with_entropy else (out, None)                         # [n, T']
     logp = pad_columns(logp.masked_fill(~completion_mask, 0.0), T_full)          # [n, T]
     if not with_entropy:
         return logp
     return logp, pad_columns(entropy.masked_fill(~completion_mask, 0.0), T_full)
+
+
+@torch.no_grad()
+def rollout_logprobs(model, rollouts, temperature, micro_batch_size):
+    """log-probs of every completion token of a rollouts dict under `model`, without gradients, in
+    passes of at most `micro_batch_size` rows: sample.py's log π_ref, update.py's recomputed log π_old.
+    [N, T] on the model's device."""
+    device = next(model.parameters()).device
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    return torch.cat([completion_logprobs(model, *(rollouts[k][rows].to(device) for k in keys), temperature)
+                      for rows in row_slices(len(rollouts["prompt_ids"]), micro_batch_size)])
 
 
 def pad_columns(x, width, value=0.0):
