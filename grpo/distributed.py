@@ -68,7 +68,7 @@ def shard_slice(n, rank, world):
 def row_slices(n, size):
     """Consecutive slices of at most `size` rows covering range(n); size <= 0 means one slice."""
     size = n if size is None or size <= 0 else size
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    return [slice(i, min(i + size, n)) for i in range(0, n, max(size, 1))]
 
 
 def micro_batches(rows, micro_batch_size):
