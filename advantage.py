@@ -27,6 +27,10 @@ Conventions (FORMATS.md):
 - Arithmetic is in float64; the file holds float32.
 
 The variants papers compare are --estimator dr_grpo, rloo and batch (see --help and README).
+
+PPO's baseline is the other way: --estimator gae --rollouts FILE reads the critic's V_t from the
+rollouts' `values` and writes per-token advantages [N, T] and returns [N, T] (GAE, Schulman et al.
+2016; see gae_advantages). Groups play no part in it, so G = 1 is allowed.
 """
 
 import argparse
@@ -43,14 +47,15 @@ def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rewards", required=True, help="rewards.safetensors from score.py")
     p.add_argument("--out", required=True, help="output advantages.safetensors")
-    p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo", "batch"],
+    p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo", "batch", "gae"],
                    help="grpo: A = (r − mean)/(std + ε) per group (DeepSeekMath, default)\n"
                         "dr_grpo: A = r − mean, no std (Dr. GRPO, Liu et al. 2025)\n"
                         "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)\n"
                         "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups (mean\n"
                         "  and std of all N; TRL's scale_rewards='batch' keeps the group mean: that is\n"
                         "  --scale batch); the source article calls this the most serious error a GRPO\n"
-                        "  implementation can make")
+                        "  implementation can make\n"
+                        "gae: PPO's per-token A_t from the critic's V_t (needs --rollouts with 'values')")
     p.add_argument("--scale", default="group", choices=["group", "batch", "none"],
                    help="what grpo divides r − group mean by (TRL's scale_rewards): the group's std\n"
                         "(default), the whole batch's std, or nothing (then grpo is dr_grpo)")
@@ -60,6 +65,14 @@ def build_parser():
                         "(shortest first) and compute the estimator within each, so that a completion\n"
                         "competes only with others of similar length (the source article's remedy for\n"
                         "length bias; needs 'lengths' in the rewards file; default 1: the whole group)")
+    p.add_argument("--rollouts", default=None, help="gae: rollouts.safetensors (values, masks, log-probs)")
+    p.add_argument("--gamma", type=float, default=1.0, help="γ: gae's discount per token (default 1)")
+    p.add_argument("--lam", type=float, default=0.95, help="λ: gae's bias-variance trade-off (default 0.95)")
+    p.add_argument("--kl-in-reward", type=float, default=0.0, metavar="β_r",
+                   help="gae: every token's reward gets −β_r·(log π_old − log π_ref), the k1 estimator\n"
+                        "(in the reward it is the KL's own estimate; default 0: the KL stays in the loss)")
+    p.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=None,
+                   help="gae: normalise A over the batch's real tokens to mean 0, std 1 (default on)")
     return p
 
 
@@ -71,6 +84,21 @@ def parse_args(argv=None):
         raise StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
     if args.scale != "group" and args.estimator != "grpo":
         raise StageError(f"--scale {args.scale} applies to --estimator grpo, not {args.estimator}")
+    gae_only = {"--rollouts": args.rollouts is not None, "--whiten": args.whiten is not None,
+                "--kl-in-reward": args.kl_in_reward != 0}
+    if args.estimator != "gae":
+        given = [flag for flag, is_given in gae_only.items() if is_given]
+        if given:
+            raise StageError(f"{', '.join(given)} applies to --estimator gae, not {args.estimator}")
+        return args
+    if args.rollouts is None:
+        raise StageError("--estimator gae needs --rollouts FILE: the critic's values and the masks")
+    if args.length_strata > 1:
+        raise StageError("--length-strata splits groups, and --estimator gae uses none")
+    for name, value in (("gamma", args.gamma), ("lam", args.lam)):
+        if not 0 <= value <= 1:
+            raise StageError(f"--{name} must lie in [0, 1], got {value}")
+    args.whiten = args.whiten is not False
     return args
 
 
@@ -138,6 +166,67 @@ def batch_advantages(rewards, eps=1e-4):
     return ((r - r.mean()) / (r.std() + eps)).float()
 
 
+# Whitening divides by sqrt(var + this), as TRL's masked_whiten does: std 1 to float precision, and an
+# all-equal batch of advantages comes out as zeros rather than NaN.
+WHITEN_EPS = 1e-8
+
+
+def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=True):
+    """Generalised advantage estimation (Schulman et al. 2016) over each completion's tokens.
+
+    rewards [N] (r_i, given to the last real token), values [N, T] (V_t), mask [N, T] (a prefix of
+    true per row), kl_per_token [N, T] (β_r·(log π_old − log π_ref), taken from every token's reward).
+        r_t = −kl_t, plus r_i at the last real token
+        δ_t = r_t + γ·V_{t+1} − V_t         with V = 0 after the last real token
+        A_t = Σ_l (γλ)^l δ_{t+l} = δ_t + γλ·A_{t+1}
+        R_t = A_t + V_t                      the critic's target, before whitening
+    Returns (A [N, T], R [N, T]), float32, 0 where the mask is false; with `whiten`, A is shifted and
+    scaled over all real tokens of the batch to mean 0 and std 1 (Bessel), R is not.
+    """
+    N, T = mask.shape
+    lengths = mask.sum(-1)                                                  # [N]
+    V = torch.where(mask, values.double(), 0.0)                             # [N, T]
+    r = torch.zeros(N, T, dtype=torch.float64)                              # [N, T] token rewards
+    r[torch.arange(N), lengths - 1] = rewards.double()
+    if kl_per_token is not None:
+        r = r - torch.where(mask, kl_per_token.double(), 0.0)
+    A = torch.zeros(N, T, dtype=torch.float64)                              # [N, T]
+    next_A = next_V = torch.zeros(N, dtype=torch.float64)                   # A_{t+1}, V_{t+1}     [N]
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_V - V[:, t]                          # δ_t                  [N]
+        A[:, t] = torch.where(mask[:, t], delta + gamma * lam * next_A, 0.0)
+        next_A, next_V = A[:, t], V[:, t]
+    R = A + V                                                               # [N, T], 0 off the mask
+    if whiten:
+        real = A[mask]                                                      # [tokens]
+        centred = A - real.mean()
+        A = centred / torch.sqrt(real.var() + WHITEN_EPS) if real.numel() > 1 else centred
+        A = torch.where(mask, A, 0.0)
+    return A.float(), R.float()
+
+
+def load_gae_inputs(rewards_file, data, rollouts_file):
+    """The rollouts' tensors that GAE reads, checked against the rewards file: same rows, same groups,
+    a completion mask that is a prefix of each row, values present and 0 where the mask is false."""
+    rollouts, _, dims = files.load_tensors(rollouts_file, files.ROLLOUTS)
+    if dims["N"] != data["rewards"].numel() or not torch.equal(rollouts["group_ids"], data["group_ids"]):
+        raise StageError(f"{rewards_file}: its rows (N = {data['rewards'].numel()}) and group_ids differ "
+                         f"from those of {rollouts_file} (N = {dims['N']})")
+    if "values" not in rollouts:
+        raise StageError(f"{rollouts_file}: no 'values' for --estimator gae; sample with --critic DIR")
+    mask = rollouts["completion_mask"]                                      # [N, T]
+    prefix = torch.arange(mask.shape[1]) < mask.sum(-1, keepdim=True)       # [N, T]
+    if not torch.equal(mask, prefix) or not mask[:, 0].all():
+        bad = torch.nonzero((mask != prefix).any(-1) | ~mask[:, 0]).flatten()
+        raise StageError(f"{rollouts_file}: completion_mask of rows {files.format_rows(bad)} is not a run of "
+                         f"true from the first token (GAE needs each completion's tokens in order)")
+    outside = torch.nonzero(((rollouts["values"] != 0) & ~mask).any(-1)).flatten()
+    if len(outside):
+        raise StageError(f"{rollouts_file}: 'values' is non-zero where completion_mask is false in rows "
+                         f"{files.format_rows(outside)}; the values and the mask do not belong together")
+    return rollouts
+
+
 def group_stats(rewards, group_ids):
     """Per-group diagnostics: group_mean [B], group_std [B] (Bessel), zero_std [B] bool."""
     r = group_rewards(rewards, group_ids)                                   # [B, G]
@@ -160,8 +249,16 @@ def length_strata(group_ids, lengths, strata, path="rewards"):
     return order, strata_ids
 
 
-def compute_advantages(rewards, group_ids, args, lengths=None):
-    """The advantages file's tensors for args.estimator (within length strata with --length-strata)."""
+def compute_advantages(rewards, group_ids, args, lengths=None, rollouts=None):
+    """The advantages file's tensors for args.estimator (within length strata with --length-strata);
+    gae reads the critic's values, the mask and the log-probs from `rollouts`."""
+    if args.estimator == "gae":
+        kl = None
+        if args.kl_in_reward != 0:
+            kl = args.kl_in_reward * (rollouts["old_logprobs"] - rollouts["ref_logprobs"])    # [N, T]
+        A, R = gae_advantages(rewards, rollouts["values"], rollouts["completion_mask"], args.gamma, args.lam,
+                              kl, args.whiten)
+        return {"advantages": A, "returns": R, "group_ids": group_ids}
     if args.length_strata > 1:
         order, strata_ids = length_strata(group_ids, lengths, args.length_strata)
         whole_groups = argparse.Namespace(**{**vars(args), "length_strata": 1})
@@ -185,6 +282,17 @@ def compute_advantages(rewards, group_ids, args, lengths=None):
 def main(argv=None):
     args = parse_args(argv)
     data, _, _ = files.load_tensors(args.rewards, files.REWARDS)
+    if args.estimator == "gae":
+        rollouts = load_gae_inputs(args.rewards, data, args.rollouts)
+        if args.kl_in_reward != 0 and "ref_logprobs" not in rollouts:
+            raise StageError(f"{args.rollouts}: --kl-in-reward needs 'ref_logprobs'; sample with --ref-model")
+        tensors = compute_advantages(data["rewards"], data["group_ids"], args, rollouts=rollouts)
+        files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
+        mask = rollouts["completion_mask"]
+        print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions (γ {args.gamma}, "
+              f"λ {args.lam}{', whitened' if args.whiten else ''}): mean return at the first token "
+              f"{tensors['returns'][:, 0].mean().item():.4f}; wrote {args.out}")
+        return
     if args.estimator == "batch":                                       # groups checked with the file's name;
         check_groups(data["group_ids"], args.rewards)                     # G = 1 is allowed: no group is used
     else:

@@ -9,6 +9,7 @@ Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows; FORM
             completion_ids [N, T] int64 (right-padded)  completion_mask [N, T] bool
             group_ids [N] int64    old_logprobs [N, T] f32
             ref_logprobs [N, T] f32 (with --ref-model)    truncated [N] bool
+            values [N, T] f32 (with --critic: PPO's V_t, read where the logits of token t are)
         --out DIR/samples.jsonl  one object per row: group, prompt, completion, and the record's fields
 
 Example:
@@ -52,6 +53,8 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--ref-model", default=None, help="π_ref: frozen reference model folder, for ref_logprobs")
+    p.add_argument("--critic", default=None,
+                   help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
@@ -153,8 +156,10 @@ def concat_rollouts(parts, pad_id):
     return out
 
 
-def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, prompts_path="prompts"):
-    """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows)."""
+def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, prompts_path="prompts",
+            critic=None):
+    """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows).
+    log π_ref comes from `ref_model` and PPO's V_t from `critic`, when given."""
     device = next(policy.parameters()).device
     context = getattr(policy.config, "max_position_embeddings", None)
     max_len = context - args.max_new_tokens if context else None
@@ -187,6 +192,8 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
     if ref_model is not None:
         tensors["ref_logprobs"] = modeling.rollout_logprobs(ref_model, tensors, args.temperature,
                                                             args.micro_batch_size)             # [N, T]
+    if critic is not None:
+        tensors["values"] = modeling.rollout_values(critic, tensors, args.micro_batch_size)      # [N, T]
 
     samples = []
     for row in range(N):
@@ -198,14 +205,14 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
     return tensors, samples
 
 
-def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_path="prompts"):
+def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_path="prompts", critic=None):
     """rollout() under torchrun: rank r samples a contiguous share of whole groups from its own
     generator, seeded with distributed.rank_seed(seed, r), and every rank gets all rows back in group
     order. So rank r's groups are what one process draws for that share (--start, --num-prompts)
     with that seed. One process: rollout() itself."""
     rank, world = distributed.rank_and_world()
     if world == 1:
-        return rollout(policy, tokenizer, records, args, ref_model, prompts_path=prompts_path)
+        return rollout(policy, tokenizer, records, args, ref_model, prompts_path=prompts_path, critic=critic)
     if len(records) < world:
         raise StageError(f"{len(records)} prompts for {world} processes: each process samples whole groups, "
                          f"so --num-prompts must be at least the number of processes")
@@ -214,7 +221,7 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_pa
     device = next(policy.parameters()).device
     generator = torch.Generator(device=device).manual_seed(distributed.rank_seed(args.seed, rank))
     tensors, samples = rollout(policy, tokenizer, records[share], local_args, ref_model, generator,
-                               prompts_path)
+                               prompts_path, critic)
     for s in samples:
         s["group"] += share.start
     pad = tokenizer.pad_token_id
@@ -269,9 +276,11 @@ def main(argv=None):
     ref_model = None
     if args.ref_model:
         ref_model = modeling.load_model(args.ref_model, device, args.trust_remote_code)
+    critic = modeling.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 
     t0 = time.perf_counter()
-    tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts)
+    tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts,
+                                       critic=critic)
     seconds = time.perf_counter() - t0
     if not distributed.is_main():
         return

@@ -4,6 +4,7 @@ process of torchrun).
     python train.py                  # SmolLM2-135M-Instruct on two-digit sums (about 15 min, 2 CPU cores)
     python train.py --config tiny    # a tiny Llama learning a toy task from scratch (about a minute)
     python train.py --check          # sample the first batch, report its reward spread, write nothing
+    python train.py --algo ppo       # the baseline: PPO with a critic and GAE, on the same stages
     python train.py --run-dir runs/default --resume --iterations 30     # continue a run
     torchrun --nproc_per_node 8 train.py --config gpu [--fsdp]          # one node, 8 GPUs
 
@@ -19,6 +20,7 @@ needs: --resume recomputes the iterations since the last save, bit for bit on a 
 --dynamic-sampling, round r of iteration i uses the records and seed of slot i·R + r.
 """
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -48,6 +50,7 @@ def knob(default, help):
 
 @dataclass
 class Config:
+    algo: str = knob("grpo", "grpo, or ppo: a critic V and GAE advantages (estimator gae) in the same stages")
     model: str = knob("", "the policy: an HF folder; '' = SmolLM2-135M-Instruct, 'tiny' = built here")
     task: str = knob("arithmetic", f"built-in task: {', '.join(tasks.TASKS)}")
     iterations: int = knob(15, "K: iterations")
@@ -72,10 +75,19 @@ class Config:
     minibatch_size: int = knob(0, "completions per optimizer step; 0 = all")
     micro_batch_size: int = knob(0, "rows per forward pass of every stage; 0 = all")
     max_bad_steps: int = knob(5, "non-finite steps the whole run may skip before it stops")
-    estimator: str = knob("grpo", "advantage estimator: grpo, dr_grpo, rloo, batch")
+    estimator: str = knob(None, "advantage estimator: grpo, dr_grpo, rloo, batch; gae with --algo ppo; "
+                                "unset: grpo, or gae with --algo ppo")
     scale: str = knob("group", "grpo's std: group, batch or none (TRL's scale_rewards)")
     eps: float = knob(1e-4, "ε in std + ε")
     length_strata: int = knob(1, "S: length strata per group")
+    critic_init: str = knob("", "PPO: the critic's transformer (an HF folder); '' = the initial policy's")
+    gamma: float = knob(1.0, "γ: GAE discount (PPO)")
+    lam: float = knob(0.95, "λ: GAE trade-off (PPO)")
+    kl_in_reward: float = knob(0.0, "β_r: per-token −β_r·k1 in GAE's rewards (PPO)")
+    whiten: bool = knob(None, "normalise GAE advantages over the batch (PPO); unset = on")
+    critic_lr: float = knob(None, "the critic's learning rate (PPO); unset = 10 × lr")
+    vf_coef: float = knob(1.0, "c_V: value-loss weight (PPO)")
+    value_clip: float = knob(0.2, "ε_v: value clip (PPO)")
     rewards: list = knob([], "score.py's --reward SPECs; default: the task's")
     on_reward_error: str = knob("fail", "fail or skip (score.py)")
     overlong_buffer: int = knob(0, "L: DAPO's overlong buffer; 0 = off")
@@ -115,7 +127,7 @@ def parse_args(argv=None):
     for f in dataclasses.fields(Config):
         flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: from --config)"
         if f.type is bool:
-            p.add_argument(flag, action="store_true", default=None, help=text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             p.add_argument(flag, type=str if f.type is list else f.type, default=None, help=text,
                            nargs="+" if f.type is list else None)
@@ -127,9 +139,10 @@ def parse_args(argv=None):
             raise StageError(f"{run_dir}: no config.json to resume from")
         cfg = Config(**files.read_json(os.path.join(run_dir, "config.json"))["config"])
         resumable = RESUMABLE - ({"iterations"} if cfg.lr_schedule != "constant" else set())
-        if set(overrides) - resumable:         # a decaying learning rate spans the run's iterations
+        changed = {k for k, v in overrides.items() if k not in resumable and v != getattr(cfg, k)}
+        if changed:                            # a decaying learning rate spans the run's iterations
             raise StageError(f"--resume keeps the run's configuration; cannot change "
-                             f"--{', --'.join(sorted(set(overrides) - resumable))}")
+                             f"--{', --'.join(sorted(changed)).replace('_', '-')}")
     else:
         if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
             raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
@@ -139,24 +152,46 @@ def parse_args(argv=None):
     if cfg.task not in tasks.TASKS:
         raise StageError(f"--task {cfg.task!r}: expected one of {', '.join(tasks.TASKS)}")
     cfg.rewards = cfg.rewards or tasks.TASKS[cfg.task][1]
+    check_algo(cfg)
+    paths = {"model": "model", "ref_model": "ref", "critic": "critic" if cfg.algo == "ppo" else None}
     for script in STAGES:                             # each stage checks its flags before anything is written
-        stage_args(script, cfg, "it", 0, 0, "model", "ref", [])
+        stage_args(script, cfg, "it", 0, 0, paths, [])
     return args, cfg, run_dir
 
 
-def stage_args(script, cfg, it_dir, slot, i, model_path, ref_path, commands):
+def check_algo(cfg):
+    """PPO's advantages come from its critic (gae), GRPO's from the group; the estimator follows --algo."""
+    if cfg.algo not in ("grpo", "ppo"):
+        raise StageError(f"--algo must be grpo or ppo, got {cfg.algo!r}")
+    ppo = cfg.algo == "ppo"
+    if cfg.estimator is None:
+        cfg.estimator = "gae" if ppo else "grpo"
+    if (cfg.estimator == "gae") != ppo:
+        raise StageError(f"--estimator {cfg.estimator} with --algo {cfg.algo}: gae needs the critic of --algo "
+                         f"ppo, and ppo takes its advantages from gae")
+    if ppo and cfg.dynamic_sampling:
+        raise StageError("--dynamic-sampling drops groups with equal rewards, which only GRPO needs; "
+                         "use it with --algo grpo")
+
+
+def stage_args(script, cfg, it_dir, slot, i, paths, commands):
     """A stage's namespace for iteration i, built by the stage's own parser (its defaults and checks):
-    every field of the configuration that is one of its flags, and the files of `it_dir`; the records
-    and the sampler's seed come from `slot`. The equivalent command is appended to `commands`."""
+    every field of the configuration that is one of its flags, the files of `it_dir`, and the models
+    of `paths` (model, ref_model, critic; None where unused); the records and the sampler's seed come
+    from `slot`. The equivalent command is appended to `commands`."""
     path = {k: os.path.join(it_dir, f"{k}.safetensors") for k in ("rollouts", "rewards", "advantages")}
     minibatches = len(distributed.row_slices(cfg.num_prompts * cfg.group_size, cfg.minibatch_size))
-    own = {"sample.py": dict(model=model_path, prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
-                             ref_model=ref_path, seed=cfg.seed * 1_000_003 + slot),
+    policy_out = os.path.join(os.path.dirname(it_dir), "policy")
+    critic = paths["critic"]
+    own = {"sample.py": dict(model=paths["model"], prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
+                             ref_model=paths["ref_model"], critic=critic, seed=cfg.seed * 1_000_003 + slot),
            "score.py": dict(rollouts=path["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"),
                             reward=cfg.rewards, out=path["rewards"]),
-           "advantage.py": dict(rewards=path["rewards"], out=path["advantages"]),
-           "update.py": dict(model=model_path, rollouts=path["rollouts"], advantages=path["advantages"],
-                             out=os.path.join(os.path.dirname(it_dir), "policy"),
+           "advantage.py": dict(rewards=path["rewards"], out=path["advantages"],
+                                rollouts=path["rollouts"] if cfg.estimator == "gae" else None),
+           "update.py": dict(model=paths["model"], rollouts=path["rollouts"], advantages=path["advantages"],
+                             out=policy_out, critic=critic,
+                             critic_out=os.path.join(policy_out, "critic") if critic else None,
                              seed=cfg.seed * 1_000_003 + i,
                              total_steps=cfg.iterations * cfg.epochs * minibatches)}
     stage = STAGES[script]
@@ -164,12 +199,12 @@ def stage_args(script, cfg, it_dir, slot, i, model_path, ref_path, commands):
               if hasattr(cfg, a.dest) and a.dest not in own[script]}
     argv = []
     for name, value in {**own[script], **shared}.items():
-        if value is None or value is False:                   # not given: the stage's default
+        if value is None or (value is False and name != "whiten"):       # not given: the stage's default
             continue
-        argv.append("--" + name.replace("_", "-"))
+        argv.append(("--" if value is not False else "--no-") + name.replace("_", "-"))
         if isinstance(value, list):
             argv += map(str, value)
-        elif value is not True:
+        elif not isinstance(value, bool):
             argv.append(str(value))
     commands.append(["python", script, *argv])
     return stage.parse_args(argv)
@@ -182,7 +217,9 @@ class Models:
     tokenizer: object
     policy: torch.nn.Module         # what AdamW steps: in DDP, or sharded by FSDP2, under torchrun
     sampler: torch.nn.Module        # the whole policy that samples: `policy`, or with FSDP a full copy
-    ref: torch.nn.Module = None     # π_ref, frozen; None when β = 0
+    ref: torch.nn.Module = None     # π_ref, frozen; None when β = 0 and no KL is in the reward
+    critic: update.Critic = None    # PPO's value model and its AdamW (--algo ppo)
+    critic_init: str = None         # the critic's folder before the first step (PPO)
 
 
 def start(cfg, run_dir, done):
@@ -201,15 +238,43 @@ def start(cfg, run_dir, done):
         sampler = policy
         if cfg.fsdp and distributed.rank_and_world()[1] > 1:
             sampler = modeling.load_model(path, device, cfg.trust_remote_code)
+        needs_ref = cfg.beta != 0 or (cfg.algo == "ppo" and cfg.kl_in_reward != 0)
         models = Models(base, modeling.load_tokenizer(path, cfg.trust_remote_code),
                         distributed.distribute(policy, cfg.fsdp), sampler,
-                        modeling.load_model(base, device, cfg.trust_remote_code) if cfg.beta != 0 else None)
+                        modeling.load_model(base, device, cfg.trust_remote_code) if needs_ref else None)
+        if cfg.algo == "ppo":
+            models.critic_init, models.critic = start_critic(cfg, run_dir, base, done, device)
     except BaseException:
         if main and new:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     state = os.path.join(path, "optimizer.safetensors") if done else None
+    # The learning rate of every step is set by update.train_policy (its schedule), for both optimizers.
     return models, checkpoints.adamw(models.policy, cfg.lr, state_file=state), reward_fns
+
+
+def start_critic(cfg, run_dir, base, done, device):
+    """PPO's critic: made once in RUN/critic_init from --critic-init (default: the initial policy),
+    then taken from policy/critic/ of the last save, with its AdamW state."""
+    if cfg.fsdp and distributed.rank_and_world()[1] > 1:
+        raise StageError("--algo ppo does not run with --fsdp yet (the critic samples unsharded); use DDP")
+    init = os.path.join(run_dir, "critic_init")
+    if distributed.is_main() and not os.path.isfile(os.path.join(init, "config.json")):
+        builders.make_critic(cfg.critic_init or base, init, cfg.trust_remote_code)
+    distributed.barrier()
+    path = os.path.join(run_dir, "policy", "critic") if done else init
+    critic = distributed.distribute(modeling.load_critic(path, device, cfg.trust_remote_code), cfg.fsdp)
+    state = os.path.join(path, "optimizer.safetensors") if done else None
+    return init, update.Critic(critic, checkpoints.adamw(critic, cfg.lr, state_file=state))
+
+
+def model_paths(models, policy_path, i):
+    """The models that iteration i's stage commands name: the policy that samples it, π_ref, and PPO's
+    critic, saved beside that policy (its critic/), or critic_init before the first step."""
+    critic = None
+    if models.critic is not None:
+        critic = models.critic_init if i == 0 else os.path.join(policy_path, "critic")
+    return {"model": policy_path, "ref_model": models.base if models.ref else None, "critic": critic}
 
 
 @contextmanager
@@ -221,13 +286,14 @@ def timed(perf, key):
 
 def sample_and_score(slot, i, cfg, it_dir, models, policy_path, train, reward_fns, perf, commands):
     """Stages 1 and 2 in memory for the B records of `slot`: G completions each and their rewards."""
-    ref_path = models.base if models.ref else None
-    sample_args = stage_args("sample.py", cfg, it_dir, slot, i, policy_path, ref_path, commands)
-    score_args = stage_args("score.py", cfg, it_dir, slot, i, policy_path, ref_path, commands)
+    paths = model_paths(models, policy_path, i)
+    sample_args = stage_args("sample.py", cfg, it_dir, slot, i, paths, commands)
+    score_args = stage_args("score.py", cfg, it_dir, slot, i, paths, commands)
     records = tasks.iteration_records(train, slot, cfg.num_prompts, cfg.seed)
     with timed(perf, "perf/sample_s"):
+        critic = distributed.unwrap(models.critic.model) if models.critic else None
         rollouts, samples = sample.rollout_sharded(models.sampler, models.tokenizer, records, sample_args,
-                                                   models.ref, prompts_path=sample_args.prompts)
+                                                   models.ref, prompts_path=sample_args.prompts, critic=critic)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
     with timed(perf, "perf/score_s"):
         rewards, components, skipped = score.score_sharded(
@@ -258,7 +324,7 @@ def main(argv=None):
     done, bad_steps = distributed.broadcast_ints(restored)            # rank 0 read the run folder
     if done > cfg.iterations:
         raise StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
-    if cfg.beta == 0:
+    if cfg.beta == 0 and not (cfg.algo == "ppo" and cfg.kl_in_reward != 0):
         warn(diagnostics.BETA_ZERO_WARNING)
     if cfg.kl_estimator == "k1" and cfg.beta != 0:
         warn(diagnostics.K1_WARNING)
@@ -303,8 +369,9 @@ def main(argv=None):
         rollouts, rewards = batch["rollouts"], batch["rewards"]
         lengths = rollouts["completion_mask"].sum(-1)                                       # [N]
         # Stage 3: group-relative advantages.
-        advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, policy_path, None, commands)
-        adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths)
+        paths = model_paths(models, policy_path, i)
+        advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, paths, commands)
+        adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths, rollouts)
         with timed(perf, "perf/io_s"):
             if main:
                 files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
@@ -313,24 +380,27 @@ def main(argv=None):
                                     score_args, lengths, batch["skipped"])
                 files.save_tensors(advantage_args.out, adv, files.ADVANTAGES[0], vars(advantage_args))
         # Stage 4: the clipped policy update.
-        update_args = stage_args("update.py", cfg, it_dir, i, i, policy_path, None, commands)
+        update_args = stage_args("update.py", cfg, it_dir, i, i, paths, commands)
         with timed(perf, "perf/checkpoint_s"):
             saver.wait()                                      # a save in flight reads the weights it changes
         with timed(perf, "perf/update_s"):
-            losses = update.train_policy(models.policy, optimizer, rollouts, adv["advantages"], update_args)
+            losses = update.train_policy(models.policy, optimizer, rollouts, adv["advantages"], update_args,
+                                         models.critic, adv.get("returns"))
             if models.sampler is not models.policy:           # FSDP: the full copy that samples follows
                 models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy), strict=False)
 
         completions = [s["completion"] for s in batch["samples"]]
         on_policy = ("logprob_diff_max", "logprob_diff_mean", "outside_clip_on_policy", "skipped_steps")
+        charts = ("explained_variance",)
         metrics = {"iteration": i, **diagnostics.iteration_metrics(
             rollouts, rewards, batch["components"], batch["skipped"], completions, cfg.group_size),
-            **{f"losses/{k}": v for k, v in losses.items() if k not in on_policy},
+            **{f"losses/{k}": v for k, v in losses.items() if k not in on_policy + charts},
+            **{f"charts/{k}": losses[k] for k in charts if k in losses},
             **{f"diag/{k}": losses[k] for k in on_policy}, **perf,
             "perf/tokens_per_s": lengths.sum().item() / perf["perf/sample_s"]}
         if main and policy_path != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept
             checkpoints.write_replay(it_dir, i, commands)
-        if main and i == 0:
+        if main and i == 0 and cfg.algo == "grpo":
             tqdm.write("\n".join(diagnostics.spread_report(diagnostics.reward_spread(rewards, cfg.group_size),
                                                            cfg.group_size)))
         flags = diagnostics.collapse_flags(metrics, previous)
@@ -350,7 +420,8 @@ def main(argv=None):
         if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
             checkpoints.save_resume_point(
                 models.policy, models.tokenizer, optimizer, losses, update_args, run_dir, i + 1, bad_steps,
-                saver, keep=checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations)
+                saver, keep=checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations,
+                critic=models.critic)
             saved_at = i + 1
         metrics["perf/checkpoint_s"] += time.perf_counter() - t
         metrics["perf/iteration_s"] = time.perf_counter() - t0

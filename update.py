@@ -13,6 +13,14 @@ Reads   --model DIR        the policy π_θ (π_old before the first step), and 
         --advantages FILE  advantages.safetensors: advantages [N] (or [N, T]), group_ids [N]
 Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (FORMATS.md)
 
+PPO with a critic (--critic DIR --critic-out DIR): the advantages are per token (advantage.py
+--estimator gae) and, in the same minibatches, the critic V takes its own AdamW step (--critic-lr)
+on the clipped value loss, aggregated over tokens like the policy loss (--loss-agg):
+
+    L_V = vf_coef · ½·max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, −ε_v, ε_v) − R_t)²)
+
+with R_t the advantages file's `returns` and V_old the rollouts' `values`.
+
 Example:
     python update.py --model ckpt/ --rollouts it0/rollouts.safetensors \\
         --advantages it0/advantages.safetensors --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2 \\
@@ -40,6 +48,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -80,6 +89,13 @@ def build_parser():
     p.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
                    help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
                         "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
+    p.add_argument("--critic", default=None, help="PPO: the critic V to train (from train.py --algo ppo)")
+    p.add_argument("--critic-out", default=None, help="PPO: output folder of the critic and its AdamW state")
+    p.add_argument("--critic-lr", type=float, default=None,
+                   help="the critic's AdamW lr (default 10 × --lr: its head starts from zero and must fit\n"
+                        "the returns within a few steps while the policy moves slowly; verl's defaults)")
+    p.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
+    p.add_argument("--value-clip", type=float, default=0.2, help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
     p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
     p.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
@@ -108,6 +124,10 @@ def parse_args(argv=None):
         raise StageError(f"--lr-schedule {args.lr_schedule} decays to 0 at --total-steps, which is missing")
     if args.warmup_steps < 0:
         raise StageError(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
+    if (args.critic is None) != (args.critic_out is None):
+        raise StageError("--critic and --critic-out go together: the critic read and the critic written")
+    if args.critic_lr is None:
+        args.critic_lr = 10 * args.lr
     if args.old_logprobs is None:   # bf16 autocast on a GPU makes the sampler's and the update's differ
         args.old_logprobs = "recompute" if distributed.pick_device(args.device).type == "cuda" else "sampler"
     return args
@@ -180,6 +200,31 @@ def micro_batch_loss(policy, batch, advantages, num_seqs, num_tokens, args):
     return loss, {**terms, "logp": logp, "entropy": entropy, "policy_loss": policy_loss}
 
 
+def clipped_value_loss(values, old_values, returns, value_clip):
+    """PPO's clipped value loss per token, ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²), and
+    where the clipped term is the larger (so the step cannot move V further than ε_v). [n, T] each."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)     # [n, T]
+    unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
+
+
+@dataclass
+class Critic:
+    """PPO's value network V and its own AdamW."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def micro_batch_value_loss(critic, batch, num_seqs, num_tokens, args):
+    """This micro-batch's share of the minibatch's value loss (aggregated like the policy loss, over the
+    tokens of loss_mask), and the per-token terms of its metrics."""
+    V = modeling.completion_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                   batch["completion_mask"])                                  # V_t [n, T]
+    token_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
+    loss = aggregate(token_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    return loss, {"value_loss": loss.detach(), "value": V.detach(), "value_clipped": clipped}
+
+
 # Metrics summed over a minibatch's micro-batches (and ranks) before each step: metrics.json's
 # per-token means, each the sum over completion tokens of a term, divided by the token count.
 TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped_low",
@@ -187,7 +232,9 @@ TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped
                "entropy": "entropy"}
 # The on-policy check (the first minibatch, before any step) adds: |log π_θ − log π_old| summed over
 # completion tokens, and the tokens (sequences, at --ratio-level sequence) outside the clip band.
-SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "completion_tokens", "outside_clip", "checked")
+VALUE_TOKEN_MEANS = {"value_clip_frac": "value_clipped", "value_mean": "value"}       # PPO's critic
+SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "completion_tokens", "outside_clip", "checked",
+        "value_loss", *VALUE_TOKEN_MEANS)
 MAXES = ("ratio", "logprob_diff")
 
 
@@ -197,8 +244,10 @@ def add_metrics(sums, maxes, loss, terms, batch, args):
     mask, loss_mask = batch["completion_mask"], batch["loss_mask"]             # [n, T]
     sums["loss"] += loss.item()
     sums["policy_loss"] += terms["policy_loss"].item()
-    for name, term in TOKEN_MEANS.items():
+    token_means = {**TOKEN_MEANS, **VALUE_TOKEN_MEANS} if "value" in terms else TOKEN_MEANS
+    for name, term in token_means.items():
         sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
+    sums["value_loss"] += terms["value_loss"].item() if "value" in terms else 0.0
     if loss_mask.any():
         maxes["ratio"] = max(maxes["ratio"], terms["ratio"][loss_mask].max().item())
     diff_max, diff_sum = diagnostics.logprob_mismatch(terms["logp"], batch["old_logprobs"], mask)
@@ -212,27 +261,34 @@ def add_metrics(sums, maxes, loss, terms, batch, args):
     sums["checked"] += checked.sum().item()
 
 
-def step_metrics(sums, maxes, grad_norm, num_tokens, has_ref, lr):
-    """One optimizer step's metrics, in metrics.json's names (kl is null without ref_logprobs)."""
+def step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, lr):
+    """One optimizer step's metrics, in metrics.json's names (kl is null without ref_logprobs); with a
+    critic (a second grad norm), its value_* metrics too."""
     per_token = {name: sums[name] / num_tokens for name in TOKEN_MEANS}
     if not has_ref:
         per_token["kl"] = per_token["kl_penalty"] = None
-    return {"loss": sums["loss"], "policy_loss": sums["policy_loss"], **per_token,
-            "clip_frac": per_token["clip_frac_low"] + per_token["clip_frac_high"],
-            "ratio_max": maxes["ratio"], "grad_norm": grad_norm, "tokens": num_tokens, "lr": lr}
+    metrics = {"loss": sums["loss"], "policy_loss": sums["policy_loss"], **per_token,
+               "clip_frac": per_token["clip_frac_low"] + per_token["clip_frac_high"],
+               "ratio_max": maxes["ratio"], "grad_norm": grad_norms[0], "tokens": num_tokens, "lr": lr}
+    if len(grad_norms) > 1:
+        metrics.update(value_loss=sums["value_loss"], value_grad_norm=grad_norms[1],
+                       **{name: sums[name] / num_tokens for name in VALUE_TOKEN_MEANS})
+    return metrics
 
 
-def scheduled_lr(args, step):
+def scheduled_lr(args, step, lr=None):
     """The learning rate of AdamW's step `step` (0 for the first): a linear warm-up over
-    --warmup-steps, then --lr, constant or decaying (linearly or as a half cosine) to 0 at --total-steps."""
+    --warmup-steps, then `lr` (default --lr), constant or decaying (linearly or as a half cosine) to 0
+    at --total-steps. The critic follows the same schedule from --critic-lr."""
+    lr = args.lr if lr is None else lr
     if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
+        return lr * (step + 1) / args.warmup_steps
     if args.lr_schedule == "constant":
-        return args.lr
+        return lr
     progress = min((step - args.warmup_steps) / max(args.total_steps - args.warmup_steps, 1), 1.0)
     if args.lr_schedule == "linear":
-        return args.lr * (1 - progress)
-    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
+        return lr * (1 - progress)
+    return lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def adamw_steps(optimizer):
@@ -241,11 +297,22 @@ def adamw_steps(optimizer):
     return int(state["step"]) if state else 0
 
 
-def skip_step(optimizer, skipped, grad_norm, loss, max_bad_steps):
+def clip_gradients(model, max_norm):
+    """Clip the model's gradient to max_norm; its norm before clipping, as a float (FSDP: the full norm)."""
+    return float(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def skip_step(optimizers, skipped, grad_norm, loss, max_bad_steps):
     """A non-finite loss or gradient would write NaN into every weight: drop the step, count it."""
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
     skipped += 1
-    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad_norm {grad_norm}); "
+    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad norms {grad_norm}); "
          f"optimizer step skipped ({skipped} so far)")
     if skipped > max_bad_steps:
         raise StageError(f"{skipped} optimizer steps had a non-finite loss or gradient, more than "
@@ -254,8 +321,9 @@ def skip_step(optimizer, skipped, grad_norm, loss, max_bad_steps):
     return skipped
 
 
-def train_policy(policy, optimizer, rollouts, advantages, args):
-    """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict.
+def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, returns=None):
+    """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict. With a
+    `critic` (PPO), each minibatch also steps the critic on the clipped value loss towards `returns`.
 
     Under torchrun each rank runs its share of every minibatch (distributed.micro_batches) with the
     whole minibatch's normalisers, so the step equals the one-process step.
@@ -266,11 +334,12 @@ def train_policy(policy, optimizer, rollouts, advantages, args):
     loss_mask = rollouts["completion_mask"]                                                # [N, T]
     if args.mask_truncated:            # DAPO's overlong filtering: no loss on completions without EOS
         loss_mask = loss_mask & ~rollouts["truncated"][:, None]
-    rollouts = {**rollouts, "loss_mask": loss_mask}
+    rollouts = {**rollouts, "loss_mask": loss_mask, **({"returns": returns} if critic else {})}
     if args.old_logprobs == "recompute":
         # Every rank computes all rows: under FSDP each forward is a collective.
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature,
                                                              args.micro_batch_size).cpu()      # [N, T]
+    optimizers = [optimizer] + ([critic.optimizer] if critic else [])
     generator = torch.Generator().manual_seed(args.seed)
     minibatches = distributed.row_slices(N, args.minibatch_size)
     steps, skipped, on_policy = [], 0, None
@@ -282,7 +351,8 @@ def train_policy(policy, optimizer, rollouts, advantages, args):
             rows = order[minibatch]                                                         # [M]
             num_tokens = max(int(loss_mask[rows].sum()), 1)
             sums, maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
-            optimizer.zero_grad(set_to_none=True)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
             passes = distributed.micro_batches(rows, args.micro_batch_size)
             for k, (idx, weight) in enumerate(passes):
                 batch = {key: v[idx].to(device) for key, v in rollouts.items()}
@@ -290,32 +360,42 @@ def train_policy(policy, optimizer, rollouts, advantages, args):
                     loss, terms = micro_batch_loss(policy, batch, advantages[idx].to(device), len(rows),
                                                    num_tokens, args)
                     (loss * weight).backward()   # DDP and FSDP average over ranks; × world makes it a sum
+                if critic:
+                    with distributed.grad_sync(critic.model, k == len(passes) - 1):
+                        value_loss, value_terms = micro_batch_value_loss(critic.model, batch, len(rows),
+                                                                         num_tokens, args)
+                        (args.vf_coef * value_loss * weight).backward()
+                    terms.update(value_terms)
                 if weight:
                     add_metrics(sums, maxes, loss, terms, batch, args)
             sums, maxes = distributed.all_reduce(sums, "sum"), distributed.all_reduce(maxes, "max")
-            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = float(distributed.full_tensor(norm))
+            grad_norms = [clip_gradients(policy, args.max_grad_norm)]
+            if critic:
+                grad_norms.append(clip_gradients(critic.model, args.max_grad_norm))
             if on_policy is None:            # the first minibatch, before any step: π_θ is π_old
                 on_policy = {"logprob_diff_max": maxes["logprob_diff"],
                              "logprob_diff_mean": sums["logprob_diff"] / sums["completion_tokens"],
                              "outside_clip_on_policy": sums["outside_clip"] / sums["checked"]}
             bar.update(1)
-            if not (math.isfinite(grad_norm) and math.isfinite(sums["loss"])):
-                skipped = skip_step(optimizer, skipped, grad_norm, sums["loss"], args.max_bad_steps)
+            if not all(map(math.isfinite, [*grad_norms, sums["loss"], sums["value_loss"]])):
+                skipped = skip_step(optimizers, skipped, grad_norms, sums["loss"], args.max_bad_steps)
                 continue
-            lr = scheduled_lr(args, adamw_steps(optimizer))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            steps.append(step_metrics(sums, maxes, grad_norm, num_tokens, has_ref, lr))
+            step = adamw_steps(optimizer)
+            for opt, lr in zip(optimizers, (args.lr, args.critic_lr)):
+                set_lr(opt, scheduled_lr(args, step, lr))
+                opt.step()
+            steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, scheduled_lr(args, step)))
             bar.set_postfix(loss=f"{sums['loss']:.4f}")
     bar.close()
     if steps:
         metrics = {k: None if v is None else sum(s[k] for s in steps) / len(steps)
                    for k, v in steps[0].items()}
     else:                                    # every step was skipped: the names, no values
-        metrics = dict.fromkeys(step_metrics(sums, maxes, grad_norm, num_tokens, has_ref, args.lr))
+        metrics = dict.fromkeys(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, args.lr))
     metrics.update(optimizer_steps=len(steps), skipped_steps=skipped, **on_policy)
+    if critic:                           # how much of the returns' variance the sampled V_old explained
+        metrics["explained_variance"] = diagnostics.explained_variance(rollouts["values"], returns,
+                                                                       rollouts["completion_mask"])
     warnings = [diagnostics.mismatch_warning(on_policy["logprob_diff_max"], on_policy["logprob_diff_mean"]),
                 diagnostics.clip_band_warning(on_policy["outside_clip_on_policy"], args.ratio_level)]
     for warning in filter(None, warnings):
@@ -355,22 +435,29 @@ def load_inputs(args):
     if len(empty):
         raise StageError(f"{args.rollouts}: rows {files.format_rows(empty)} have no completion token "
                          f"(completion_mask all false)")
+    if args.critic and "values" not in rollouts:
+        raise StageError(f"{args.rollouts}: no 'values' for --critic; sample with sample.py --critic DIR")
+    if args.critic and "returns" not in adv:
+        raise StageError(f"{args.advantages}: no 'returns' for --critic; compute the advantages with "
+                         f"advantage.py --estimator gae")
     args.temperature = args.temperature or meta.get("temperature", 1.0)
     args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens")
     if args.loss_agg == "dr_grpo" and not args.max_new_tokens:
         raise StageError(f"{args.rollouts}: --loss-agg dr_grpo divides by N × L_max, and the file's "
                          f"metadata has no max_new_tokens; pass --max-new-tokens")
-    return rollouts, adv["advantages"]
+    return rollouts, adv["advantages"], adv.get("returns")
 
 
 def main(argv=None):
     args = parse_args(argv)
     check_checkpoint_out(args.out)
+    if args.critic_out:
+        check_checkpoint_out(args.critic_out)
     if args.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
     if args.kl_estimator == "k1" and args.beta != 0:
         warn(diagnostics.K1_WARNING)
-    rollouts, advantages = load_inputs(args)
+    rollouts, advantages, returns = load_inputs(args)
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     policy = modeling.load_model(args.model, device, args.trust_remote_code)
@@ -378,11 +465,21 @@ def main(argv=None):
     state_file = os.path.join(args.model, "optimizer.safetensors")
     resume = os.path.isfile(state_file) and not args.fresh_optimizer
     optimizer = checkpoints.adamw(policy, args.lr, args.weight_decay, state_file if resume else None)
+    critic = None
+    if args.critic:
+        critic_model = distributed.distribute(modeling.load_critic(args.critic, device, args.trust_remote_code),
+                                              args.fsdp)
+        state_file = os.path.join(args.critic, "optimizer.safetensors")
+        resume = os.path.isfile(state_file) and not args.fresh_optimizer
+        critic = Critic(critic_model, checkpoints.adamw(critic_model, args.critic_lr, args.weight_decay,
+                                                        state_file if resume else None))
 
     t0 = time.perf_counter()
-    metrics = train_policy(policy, optimizer, rollouts, advantages, args)
+    metrics = train_policy(policy, optimizer, rollouts, advantages, args, critic, returns)
     metrics["seconds"] = time.perf_counter() - t0
     checkpoints.save_policy(policy, tokenizer, optimizer, metrics, args, args.out)
+    if critic:
+        checkpoints.save_policy(critic.model, tokenizer, critic.optimizer, metrics, args, args.critic_out)
     if distributed.is_main():
         print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}))
 

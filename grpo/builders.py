@@ -66,6 +66,26 @@ def make_tiny_llama(out_dir, seed=0, hidden_size=64, num_layers=2, num_heads=4, 
     return out_dir
 
 
+def make_critic(policy_dir, out_dir, trust_remote_code=False):
+    """A PPO critic for the policy in `policy_dir`, saved to `out_dir`: the policy's transformer with a
+    token-classification head of one output (V_t) in place of the LM head. The head starts at zero,
+    so V = 0 everywhere and the first GAE advantages are the plain rewards-to-go; the transformer's
+    weights are the policy's, so the critic reads the text as the policy does."""
+    from transformers import AutoModelForTokenClassification
+
+    from grpo import modeling
+
+    critic = modeling.load_model(policy_dir, "cpu", trust_remote_code, AutoModelForTokenClassification,
+                                 num_labels=1)
+    head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
+    with torch.no_grad():
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
+    save_checkpoint(critic, modeling.load_tokenizer(policy_dir, trust_remote_code), out_dir)
+    return out_dir
+
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

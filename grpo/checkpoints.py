@@ -1,6 +1,8 @@
 """Checkpoints, AdamW's state as safetensors, and train.py's run folder (save, restore, keep, replay).
 
     policy/                  update.py's output, plus train_state.json (the resume point)
+    policy/critic/           PPO's critic and its AdamW state (--algo ppo), saved with the policy
+    critic_init/             PPO's critic before the first step
     checkpoints/iter_XXXX/   the policy that sampled iteration XXXX, as hard links into a save
     iter_XXXX/replay.sh      the iteration's four stages as commands, for re-running one alone
     iter_XXXX/metrics.json   the iteration's numbers, written last, and tb/ (TensorBoard)
@@ -51,6 +53,7 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
         os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+        model.config.architectures = [type(model).__name__]              # as save_pretrained records it
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -60,6 +63,8 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
         for name, write in (extra_files or {}).items():
             write(os.path.join(tmp, name))
         for name in os.listdir(tmp):
+            if os.path.isdir(os.path.join(tmp, name)):              # a checkpoint inside, synced by its writer
+                continue
             with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())
         files.replace_dir(tmp, out_dir)
@@ -142,6 +147,25 @@ class BackgroundSaver:
             raise error
 
 
+def checkpoint_writer(model, tokenizer, optimizer, metrics, args, extra_files=None):
+    """A function that writes the checkpoint, optimizer.safetensors and metrics.json into the folder it
+    is given (replacing it). The weights and AdamW's state are gathered now, on every rank (FSDP's
+    gathers are collectives), and written later from the live tensors; None on ranks other than 0."""
+    weights = checkpoint_tensors(model)
+    state = optimizer_state_tensors(model, optimizer)
+    if not distributed.is_main():
+        return None
+    model = distributed.unwrap(model)
+
+    def write(out_dir):
+        save_checkpoint(model, tokenizer, out_dir, weights=weights, extra_files={
+            "optimizer.safetensors": lambda path: files.save_tensors(path, state, "optimizer/1", vars(args)),
+            "metrics.json": lambda path: files.write_json(path, metrics),
+            **(extra_files or {}),
+        })
+    return write
+
+
 def save_policy(policy, tokenizer, optimizer, metrics, args, out_dir, extra_files=None, saver=None,
                 after_write=None):
     """Checkpoint, optimizer.safetensors and metrics.json, written into `out_dir` as one unit.
@@ -151,25 +175,19 @@ def save_policy(policy, tokenizer, optimizer, metrics, args, out_dir, extra_file
     only reads them; it must call saver.wait() before anything changes them (train.py waits before
     each update). `after_write` runs once the files are in place.
     """
-    weights = checkpoint_tensors(policy)
-    state = optimizer_state_tensors(policy, optimizer)    # every rank: FSDP's gathers are collectives
-    if not distributed.is_main():
+    write = checkpoint_writer(policy, tokenizer, optimizer, metrics, args, extra_files)
+    if write is None:
         return
-    model = distributed.unwrap(policy)
 
-    def write():
-        save_checkpoint(model, tokenizer, out_dir, weights=weights, extra_files={
-            "optimizer.safetensors": lambda path: files.save_tensors(path, state, "optimizer/1", vars(args)),
-            "metrics.json": lambda path: files.write_json(path, metrics),
-            **(extra_files or {}),
-        })
+    def write_all():
+        write(out_dir)
         if after_write is not None:
             after_write()
 
     if saver is None:
-        write()
+        write_all()
     else:
-        saver.submit(write)
+        saver.submit(write_all)
 
 
 # ----------------------------------------------------------------------------------------
@@ -192,13 +210,17 @@ def restore(run_dir):
 
 
 def save_resume_point(policy, tokenizer, optimizer, losses, update_args, run_dir, iterations_done, bad_steps,
-                      saver, keep=False):
+                      saver, keep=False, critic=None):
     """policy/: what update.py writes, and train_state.json, the resume point, written by `saver` in the
     background (the next iterations run while the files go to disk; policy/ is replaced only once they
-    are all there). With `keep`, the same job then links it into checkpoints/ for replay."""
+    are all there). PPO's critic (update.Critic) goes into policy/critic/ in the same unit. With
+    `keep`, the same job then links it into checkpoints/ for replay."""
     state = {"iteration": iterations_done, "bad_steps": bad_steps}
+    extra_files = {"train_state.json": lambda path: files.write_json(path, state)}
+    if critic is not None:
+        extra_files["critic"] = checkpoint_writer(critic.model, tokenizer, critic.optimizer, losses, update_args)
     save_policy(policy, tokenizer, optimizer, losses, update_args, os.path.join(run_dir, "policy"),
-                extra_files={"train_state.json": lambda path: files.write_json(path, state)}, saver=saver,
+                extra_files=extra_files, saver=saver,
                 after_write=(lambda: keep_checkpoint(run_dir, iterations_done)) if keep else None)
 
 
@@ -255,7 +277,7 @@ def write_replay(it_dir, i, commands):
     """replay.sh: this iteration's four stages as commands whose outputs go to $OUT, for comparison."""
     out = f"${{OUT:-replay/iter_{i:04d}}}"
     lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {it_dir}.", "set -e"]
-    file_flags = ("--out", "--rollouts", "--samples", "--rewards", "--advantages")
+    file_flags = ("--out", "--rollouts", "--samples", "--rewards", "--advantages", "--critic-out")
     for argv in commands:
         redirect = [flag in file_flags for flag in [""] + argv[:-1]]         # the value follows its flag
         argv = [(out if a == it_dir else f"{out}/{os.path.basename(a)}") if r else a

@@ -9,6 +9,7 @@ a test can feed them a hand-made batch. README "Diagnostics" says what each mean
 - diversity:                has the policy found one surface trick? distinct-n, repeated 4-grams, first lines
 - collapse_flags:           a jump in any diversity number against the previous iteration
 - logprob_mismatch:         do sampler and trainer agree? |log π_θ − log π_old| before any step
+- explained_variance:       does PPO's critic predict the returns? 1 − Var(R − V)/Var(R)
 
 all_equal_groups is the one definition of a group with no signal: advantage.py gives such groups
 exactly 0, and reward_spread counts them. Shapes: N = B·G rows, G per group, T completion length.
@@ -182,3 +183,13 @@ BETA_ZERO_WARNING = ("WARNING: β = 0: no KL penalty holds the policy near π_re
                      "saw such runs collapse into repetition within a few updates; watch diversity/ and the "
                      "eval/ comparison with the reference, or set --beta (0.01 is the default) and retune "
                      "--lr with it.")
+
+
+def explained_variance(values, returns, mask):
+    """1 − Var(R − V) / Var(R) over the real tokens (mask [N, T]): 1 when the critic's V predicts the
+    returns R exactly, 0 when it does no better than their mean, negative when worse. None when the
+    returns do not vary (nothing to explain)."""
+    V, R = values[mask].double(), returns[mask].double()                    # [tokens]
+    if R.numel() < 2 or R.var() == 0:
+        return None
+    return (1 - (R - V).var() / R.var()).item()

@@ -28,6 +28,7 @@ ROLLOUTS = ("rollouts/1", {
     "old_logprobs": ("float", [("N", "T")], True),
     "ref_logprobs": ("float", [("N", "T")], False),
     "truncated": ("bool", [("N",)], True),
+    "values": ("float", [("N", "T")], False),
 })
 REWARDS = ("rewards/1", {
     "rewards": ("float", [("N",)], True),
@@ -38,6 +39,7 @@ REWARDS = ("rewards/1", {
 ADVANTAGES = ("advantages/1", {
     "advantages": ("float", [("N",), ("N", "T")], True),
     "group_ids": ("int", [("N",)], True),
+    "returns": ("float", [("N", "T")], False),
 })
 
 _DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}

@@ -11,7 +11,7 @@ import torch
 
 from grpo.cli import StageError
 from grpo.distributed import row_slices
-from grpo.files import recover_dir
+from grpo import files
 
 
 def load_tokenizer(path, trust_remote_code=False):
@@ -33,7 +33,7 @@ def load_tokenizer(path, trust_remote_code=False):
     return tok
 
 
-def load_model(path, device, trust_remote_code=False, auto_class=None):
+def load_model(path, device, trust_remote_code=False, auto_class=None, **kwargs):
     """A causal LM from a local folder, float32, in eval mode (no dropout: ratios must be 1 on-policy).
 
     Only safetensors weights are read: a folder with nothing but pytorch_model.bin (a pickle, which
@@ -45,11 +45,27 @@ def load_model(path, device, trust_remote_code=False, auto_class=None):
     quiet_transformers()
     try:
         model = (auto_class or AutoModelForCausalLM).from_pretrained(
-            path, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+            path, dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True, **kwargs)
     except (OSError, ValueError) as e:
         raise StageError(f"{path}: cannot load a model ({str(e).splitlines()[0]}); only safetensors weights "
                          f"are read, never pickle") from None
     return model.to(device).eval()
+
+
+def load_critic(path, device, trust_remote_code=False):
+    """The PPO critic V: a token-classification checkpoint with one output per token (for example
+    LlamaForTokenClassification with num_labels = 1; builders.make_critic makes one from a policy)."""
+    from transformers import AutoModelForTokenClassification
+
+    _check_model_dir(path)
+    config = files.read_json(os.path.join(path, "config.json"))
+    architectures = config.get("architectures") or []
+    if not (any(a.endswith("ForTokenClassification") for a in architectures)
+            and len(config.get("id2label") or {}) == 1):
+        raise StageError(f"{path}: not a critic (a *ForTokenClassification checkpoint with one label; "
+                         f"found {', '.join(architectures) or 'no architecture'}); train.py --algo ppo makes "
+                         f"one from the policy, as does grpo.builders.make_critic")
+    return load_model(path, device, trust_remote_code, auto_class=AutoModelForTokenClassification)
 
 
 def quiet_transformers():
@@ -61,7 +77,7 @@ def quiet_transformers():
 
 
 def _check_model_dir(path):
-    recover_dir(path)                     # a checkpoint swap cut short by a kill
+    files.recover_dir(path)               # a checkpoint swap cut short by a kill
     if not os.path.isdir(path):
         raise StageError(f"{path}: no such model folder")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -156,29 +172,37 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def _joined(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Prompt and completion as one batch for a full forward pass, without the padding columns that no
+    row uses (they cost compute and change nothing). Returns the model's inputs, the completion's ids
+    and mask [n, T'] and T', the columns kept. Position ids count real tokens only, so left padding
+    does not move them."""
+    first = int(prompt_mask.any(0).long().argmax())
+    T = int(completion_mask.any(0).nonzero().max()) + 1 if completion_mask.any() else 1
+    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]                 # [n, P']
+    completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]         # [n, T']
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                   # [n, P'+T']
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()     # [n, P'+T']
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                  # [n, P'+T']
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": False}
+    return inputs, completion_ids, completion_mask, T
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                         with_entropy=False, entropy_grad=False):
     """Per-token log-probs of the completions under `model` at temperature τ, 0 where the mask is false.
 
     prompt_ids/prompt_mask [n, P] (left-padded), completion_ids/completion_mask [n, T].
     Returns logp [n, T] and, with `with_entropy`, the entropy of each next-token distribution [n, T]
-    (detached, unless `entropy_grad`). Position ids count real tokens only, so left padding does not
-    move them.
+    (detached, unless `entropy_grad`).
     """
     T_full = completion_ids.shape[1]
-    # Padding columns that no row uses cost compute and change nothing: drop them, pad back at the end.
-    first = int(prompt_mask.any(0).long().argmax())
-    T = int(completion_mask.any(0).nonzero().max()) + 1 if completion_mask.any() else 1
-    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]                 # [n, P']
-    completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]         # [n, T']
-
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                   # [n, P'+T']
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()     # [n, P'+T']
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                  # [n, P'+T']
+    inputs, completion_ids, completion_mask, T = _joined(prompt_ids, prompt_mask, completion_ids,
+                                                         completion_mask)
     # Only the last T'+1 positions' logits are needed; the last one predicts past the end.
-    with autocast(input_ids.device):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]      # [n, T', V]
+    with autocast(completion_ids.device):
+        logits = model(**inputs, logits_to_keep=T + 1).logits[:, :-1]            # [n, T', V]
     out = logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad)
     logp, entropy = out if with_entropy else (out, None)                         # [n, T']
     logp = pad_columns(logp.masked_fill(~completion_mask, 0.0), T_full)          # [n, T]
@@ -187,14 +211,37 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return logp, pad_columns(entropy.masked_fill(~completion_mask, 0.0), T_full)
 
 
+def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """V_t of the PPO critic for every completion token: its output at the position whose logits give
+    token t under the policy (the last prompt token for t = 0), the alignment of the log-probs.
+    Shapes as completion_logprobs; [n, T] float32, 0 where the mask is false."""
+    T_full = completion_ids.shape[1]
+    inputs, completion_ids, completion_mask, T = _joined(prompt_ids, prompt_mask, completion_ids,
+                                                         completion_mask)
+    with autocast(completion_ids.device):
+        values = critic(**inputs).logits[:, -(T + 1):-1, 0].float()             # [n, T']
+    return pad_columns(values.masked_fill(~completion_mask, 0.0), T_full)        # [n, T]
+
+
 @torch.no_grad()
 def rollout_logprobs(model, rollouts, temperature, micro_batch_size):
     """log-probs of every completion token of a rollouts dict under `model`, without gradients, in
     passes of at most `micro_batch_size` rows: sample.py's log π_ref, update.py's recomputed log π_old.
     [N, T] on the model's device."""
+    return _in_passes(completion_logprobs, model, rollouts, micro_batch_size, temperature)
+
+
+@torch.no_grad()
+def rollout_values(critic, rollouts, micro_batch_size):
+    """The critic's V_t for every completion token of a rollouts dict (sample.py --critic), as
+    rollout_logprobs. [N, T] on the critic's device."""
+    return _in_passes(completion_values, critic, rollouts, micro_batch_size)
+
+
+def _in_passes(per_token, model, rollouts, micro_batch_size, *args):
     device = next(model.parameters()).device
     keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    return torch.cat([completion_logprobs(model, *(rollouts[k][rows].to(device) for k in keys), temperature)
+    return torch.cat([per_token(model, *(rollouts[k][rows].to(device) for k in keys), *args)
                       for rows in row_slices(len(rollouts["prompt_ids"]), micro_batch_size)])
 
 

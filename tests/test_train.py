@@ -173,6 +173,6 @@ def test_a_field_reaches_every_stage_with_a_flag_of_its_name(tmp_path):
 
     _, cfg, _ = train.parse_args(["--config", "tiny", "--micro-batch-size", "5", "--eps", "0.01",
                                   "--run-dir", str(tmp_path / "r")])
-    stage = {script: train.stage_args(script, cfg, "it", 0, 0, "m", None, []) for script in train.STAGES}
+    stage = {script: train.stage_args(script, cfg, "it", 0, 0, {"model": "m", "ref_model": None, "critic": None}, []) for script in train.STAGES}
     assert [stage[s].micro_batch_size for s in ("sample.py", "score.py", "update.py")] == [5, 5, 5]
     assert stage["advantage.py"].eps == 0.01 and stage["update.py"].temperature == cfg.temperature
