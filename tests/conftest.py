@@ -7,7 +7,11 @@ import io
 import json
 import os
 import runpy
+import shlex
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -91,3 +95,30 @@ def rollout_dir(models, prompts_file, tmp_path_factory):
             "--seed", 3, "--ref-model", models["ref"], "--micro-batch-size", 6)
     assert r.code == 0, r.err
     return out
+
+
+def replay_iteration(it_dir, out):
+    """Run the stage commands of it_dir/replay.sh in-process, writing to `out`; returns out."""
+    default = f"${{OUT:-replay/{os.path.basename(it_dir)}}}"
+    for line in open(os.path.join(it_dir, "replay.sh")).read().splitlines():
+        if line.startswith("python "):
+            argv = shlex.split(line.replace(default, str(out)))
+            r = cli(argv[1], *argv[2:])
+            assert r.code == 0, (argv[1], r.err)
+    return out
+
+
+def kill_then_resume(argv, run_dir, markers):
+    """`python argv --run-dir run_dir`, SIGKILLed as soon as each marker file exists (resumed after the
+    first kill), then resumed once more to the end; returns the finishing process."""
+    argv = [sys.executable, *argv, "--run-dir", str(run_dir)]
+    for marker in markers:
+        proc = subprocess.Popen(argv + (["--resume"] if os.path.exists(run_dir) else []), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        assert proc.poll() is None, f"the run ended before {marker} appeared"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return subprocess.run(argv + ["--resume"], cwd=ROOT, capture_output=True, text=True)

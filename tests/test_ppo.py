@@ -4,15 +4,12 @@ critic's values aligned with the log-probs, the stages' files and errors, and tr
 
 import json
 import os
-import shlex
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from conftest import ROOT, assert_user_error, cli
+from conftest import ROOT, assert_user_error, cli, kill_then_resume, replay_iteration
 from safetensors.torch import load_file, save_file
 
 import advantage
@@ -320,25 +317,6 @@ def test_ppo_run_folder_and_metrics(ppo_run):
     assert {"losses/value_loss", "charts/explained_variance", "charts/reward_mean"} <= tags
 
 
-def test_replay_a_ppo_iteration(ppo_run, tmp_path):
-    it = ppo_run / "iter_0010"
-    out = tmp_path / "replay"
-    for line in (it / "replay.sh").read_text().splitlines():
-        if line.startswith("python "):
-            argv = shlex.split(line.replace("${OUT:-replay/iter_0010}", str(out)))
-            r = cli(argv[1], *argv[2:])
-            assert r.code == 0, (argv[1], r.err)
-    for name in ["rollouts", "rewards", "advantages"]:
-        original, again = load_file(it / f"{name}.safetensors"), load_file(out / f"{name}.safetensors")
-        assert original.keys() == again.keys()
-        for k in original:
-            assert torch.equal(original[k], again[k]), (name, k)
-    metrics = json.loads((it / "metrics.json").read_text())
-    replayed = json.loads((out / "policy" / "metrics.json").read_text())
-    assert replayed["value_loss"] == metrics["losses/value_loss"] and replayed["loss"] == metrics["losses/loss"]
-    assert (out / "critic" / "model.safetensors").is_file()
-
-
 def assert_same_files(dir_a, dir_b, names):
     for name in names:
         a, b = load_file(dir_a / name), load_file(dir_b / name)
@@ -347,22 +325,25 @@ def assert_same_files(dir_a, dir_b, names):
             assert torch.equal(a[k], b[k]), (name, k)
 
 
+def test_replay_a_ppo_iteration(ppo_run, tmp_path):
+    it = ppo_run / "iter_0010"
+    out = replay_iteration(it, tmp_path / "replay")
+    assert_same_files(it, out, ["rollouts.safetensors", "rewards.safetensors", "advantages.safetensors"])
+    metrics = json.loads((it / "metrics.json").read_text())
+    replayed = json.loads((out / "policy" / "metrics.json").read_text())
+    assert replayed["value_loss"] == metrics["losses/value_loss"] and replayed["loss"] == metrics["losses/loss"]
+    assert (out / "critic" / "model.safetensors").is_file()
+
+
 def test_ppo_resume_after_sigkill_is_exact(tmp_path):
-    argv = [sys.executable, "train.py", "--config", "tiny", "--algo", "ppo", "--iterations", "8", "--save-every", "3"]
+    argv = ["train.py", "--config", "tiny", "--algo", "ppo", "--iterations", "8", "--save-every", "3"]
     straight = tmp_path / "straight"
-    assert subprocess.run(argv + ["--run-dir", str(straight)], cwd=ROOT, capture_output=True).returncode == 0
+    assert subprocess.run([sys.executable, *argv, "--run-dir", str(straight)], cwd=ROOT,
+                          capture_output=True).returncode == 0
     killed = tmp_path / "killed"
-    argv += ["--run-dir", str(killed)]
     # Kill before the first save and after the second (at 6), then let a third process finish.
-    for marker in (killed / "iter_0001" / "rollouts.safetensors", killed / "iter_0007" / "prompts.jsonl"):
-        proc = subprocess.Popen(argv + (["--resume"] if killed.exists() else []), cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while not marker.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finished = subprocess.run(argv + ["--resume"], cwd=ROOT, capture_output=True, text=True)
+    finished = kill_then_resume(argv, killed, [killed / "iter_0001" / "rollouts.safetensors",
+                                               killed / "iter_0007" / "prompts.jsonl"])
     assert finished.returncode == 0, finished.stderr
     both = ["model.safetensors", "optimizer.safetensors"]
     assert_same_files(straight / "policy", killed / "policy", both)

@@ -3,15 +3,11 @@
 
 import json
 import os
-import shlex
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import ROOT, assert_user_error, cli
+from conftest import assert_user_error, cli, kill_then_resume, replay_iteration
 from safetensors.torch import load_file
 
 
@@ -90,18 +86,9 @@ def test_resume_gives_the_same_weights(tiny_run, tmp_path):
 def test_resume_after_sigkill(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     killed = tmp_path / "killed"
-    argv = [sys.executable, "train.py", "--config", "tiny", "--run-dir", str(killed), "--iterations", "10",
-            "--save-every", "3"]
     # Kill twice, before the first save and after the second (at 6), then let a third process finish.
-    for marker in (killed / "iter_0002" / "rollouts.safetensors", killed / "iter_0006" / "prompts.jsonl"):
-        proc = subprocess.Popen(argv + (["--resume"] if killed.exists() else []), cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while not marker.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finished = subprocess.run(argv + ["--resume"], cwd=ROOT, capture_output=True, text=True)
+    finished = kill_then_resume(["train.py", "--config", "tiny", "--iterations", "10", "--save-every", "3"], killed,
+                                [killed / "iter_0002" / "rollouts.safetensors", killed / "iter_0006" / "prompts.jsonl"])
     assert finished.returncode == 0, finished.stderr
     assert_same_weights(run_dir / "checkpoints" / "iter_0010", killed / "policy")
     assert all((killed / f"iter_{i:04d}" / "metrics.json").is_file() for i in range(10))
@@ -110,13 +97,7 @@ def test_resume_after_sigkill(tiny_run, tmp_path):
 def test_replay_an_iteration_stage_by_stage(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     it = run_dir / "iter_0010"
-    script = (it / "replay.sh").read_text()
-    out = tmp_path / "replay"
-    for line in script.splitlines():
-        if line.startswith("python "):
-            argv = shlex.split(line.replace("${OUT:-replay/iter_0010}", str(out)))
-            r = cli(argv[1], *argv[2:])
-            assert r.code == 0, (argv[1], r.err)
+    out = replay_iteration(it, tmp_path / "replay")
     for name in ["rollouts", "rewards", "advantages"]:
         original, again = load_file(it / f"{name}.safetensors"), load_file(out / f"{name}.safetensors")
         assert original.keys() == again.keys()
