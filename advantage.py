@@ -205,15 +205,25 @@ def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=
     return A.float(), R.float()
 
 
-def load_gae_inputs(rewards_file, data, rollouts_file):
+# GAE reads only these keys of the rollouts (values and the log-probs are checked where they are needed).
+ROLLOUTS_FOR_GAE = (files.ROLLOUTS[0], {k: (kind, shapes, k in ("completion_mask", "group_ids"))
+                                        for k, (kind, shapes, _) in files.ROLLOUTS[1].items()})
+
+
+def load_gae_inputs(rewards_file, data, rollouts_file, kl_in_reward=0.0):
     """The rollouts' tensors that GAE reads, checked against the rewards file: same rows, same groups,
-    a completion mask that is a prefix of each row, values present and 0 where the mask is false."""
-    rollouts, _, dims = files.load_tensors(rollouts_file, files.ROLLOUTS)
+    a completion mask that is a prefix of each row, values present and 0 where the mask is false, and
+    both log-probs with --kl-in-reward."""
+    rollouts, _, dims = files.load_tensors(rollouts_file, ROLLOUTS_FOR_GAE)
     if dims["N"] != data["rewards"].numel() or not torch.equal(rollouts["group_ids"], data["group_ids"]):
         raise StageError(f"{rewards_file}: its rows (N = {data['rewards'].numel()}) and group_ids differ "
                          f"from those of {rollouts_file} (N = {dims['N']})")
     if "values" not in rollouts:
         raise StageError(f"{rollouts_file}: no 'values' for --estimator gae; sample with --critic DIR")
+    missing = [k for k in ("old_logprobs", "ref_logprobs") if k not in rollouts]
+    if kl_in_reward != 0 and missing:
+        raise StageError(f"{rollouts_file}: --kl-in-reward needs '{missing[0]}'"
+                         f"{'; sample with --ref-model' if missing[0] == 'ref_logprobs' else ''}")
     mask = rollouts["completion_mask"]                                      # [N, T]
     prefix = torch.arange(mask.shape[1]) < mask.sum(-1, keepdim=True)       # [N, T]
     if not torch.equal(mask, prefix) or not mask[:, 0].all():
@@ -283,9 +293,7 @@ def main(argv=None):
     args = parse_args(argv)
     data, _, _ = files.load_tensors(args.rewards, files.REWARDS)
     if args.estimator == "gae":
-        rollouts = load_gae_inputs(args.rewards, data, args.rollouts)
-        if args.kl_in_reward != 0 and "ref_logprobs" not in rollouts:
-            raise StageError(f"{args.rollouts}: --kl-in-reward needs 'ref_logprobs'; sample with --ref-model")
+        rollouts = load_gae_inputs(args.rewards, data, args.rollouts, args.kl_in_reward)
         tensors = compute_advantages(data["rewards"], data["group_ids"], args, rollouts=rollouts)
         files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
         mask = rollouts["completion_mask"]

@@ -114,6 +114,25 @@ def test_cli_gae_with_kl_in_reward_hand_vector(tmp_path):
     assert data["advantages"][MASK].mean().abs() < 1e-6 and (data["advantages"][MASK].std() - 1).abs() < 1e-5
 
 
+def test_cli_gae_reads_only_the_mask_groups_and_values(tmp_path):
+    """A rollouts file written by hand with the three keys GAE needs is enough (log-probs only with
+    --kl-in-reward), and gives what the whole file gives."""
+    (tmp_path / "full").mkdir()
+    full, rewards = gae_files(tmp_path / "full")
+    minimal, _ = gae_files(tmp_path, prompt_ids=None, prompt_mask=None, completion_ids=None, truncated=None,
+                           old_logprobs=None, ref_logprobs=None)
+    outs = []
+    for rollouts in (full, minimal):
+        outs.append(tmp_path / f"adv{len(outs)}.safetensors")
+        r = cli("advantage.py", "--rewards", rewards, "--out", outs[-1], "--estimator", "gae", "--rollouts", rollouts)
+        assert r.code == 0, r.err
+    a, b = load_file(outs[0]), load_file(outs[1])
+    assert torch.equal(a["advantages"], b["advantages"]) and torch.equal(a["returns"], b["returns"])
+    r = cli("advantage.py", "--rewards", rewards, "--out", tmp_path / "kl.safetensors", "--estimator", "gae",
+            "--rollouts", minimal, "--kl-in-reward", 0.1)
+    assert_user_error(r, "old_logprobs")
+
+
 @pytest.mark.parametrize("change, extra, fragments", [
     ({"values": None}, [], ["no 'values'", "--critic"]),
     ({"completion_mask": torch.tensor([[True, False, True], [True, True, False]])}, [], ["rows 0", "first token"]),
