@@ -297,9 +297,9 @@ def main(argv=None):
         tensors = compute_advantages(data["rewards"], data["group_ids"], args, rollouts=rollouts)
         files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
         mask = rollouts["completion_mask"]
-        print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions (γ {args.gamma}, "
-              f"λ {args.lam}{', whitened' if args.whiten else ''}): mean return at the first token "
-              f"{tensors['returns'][:, 0].mean().item():.4f}; wrote {args.out}")
+        print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions "
+              f"(γ {args.gamma}, λ {args.lam}{', whitened' if args.whiten else ''}): mean return at the "
+              f"first token {tensors['returns'][:, 0].mean().item():.4f}; wrote {args.out}")
         return
     if args.estimator == "batch":                                       # groups checked with the file's name;
         check_groups(data["group_ids"], args.rewards)                     # G = 1 is allowed: no group is used

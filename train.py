@@ -167,8 +167,8 @@ def check_algo(cfg):
     if cfg.estimator is None:
         cfg.estimator = "gae" if ppo else "grpo"
     if (cfg.estimator == "gae") != ppo:
-        raise StageError(f"--estimator {cfg.estimator} with --algo {cfg.algo}: gae needs the critic of --algo "
-                         f"ppo, and ppo takes its advantages from gae")
+        raise StageError(f"--estimator {cfg.estimator} with --algo {cfg.algo}: gae needs the critic of "
+                         f"--algo ppo, and ppo takes its advantages from gae")
     if ppo and cfg.dynamic_sampling:
         raise StageError("--dynamic-sampling drops groups with equal rewards, which only GRPO needs; "
                          "use it with --algo grpo")
@@ -293,7 +293,8 @@ def sample_and_score(slot, i, cfg, it_dir, models, policy_path, train, reward_fn
     with timed(perf, "perf/sample_s"):
         critic = distributed.unwrap(models.critic.model) if models.critic else None
         rollouts, samples = sample.rollout_sharded(models.sampler, models.tokenizer, records, sample_args,
-                                                   models.ref, prompts_path=sample_args.prompts, critic=critic)
+                                                   models.ref, prompts_path=sample_args.prompts,
+                                                   critic=critic)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
     with timed(perf, "perf/score_s"):
         rewards, components, skipped = score.score_sharded(

@@ -467,8 +467,8 @@ def main(argv=None):
     optimizer = checkpoints.adamw(policy, args.lr, args.weight_decay, state_file if resume else None)
     critic = None
     if args.critic:
-        critic_model = distributed.distribute(modeling.load_critic(args.critic, device, args.trust_remote_code),
-                                              args.fsdp)
+        critic_model = modeling.load_critic(args.critic, device, args.trust_remote_code)
+        critic_model = distributed.distribute(critic_model, args.fsdp)
         state_file = os.path.join(args.critic, "optimizer.safetensors")
         resume = os.path.isfile(state_file) and not args.fresh_optimizer
         critic = Critic(critic_model, checkpoints.adamw(critic_model, args.critic_lr, args.weight_decay,

@@ -63,7 +63,7 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
         for name, write in (extra_files or {}).items():
             write(os.path.join(tmp, name))
         for name in os.listdir(tmp):
-            if os.path.isdir(os.path.join(tmp, name)):              # a checkpoint inside, synced by its writer
+            if os.path.isdir(os.path.join(tmp, name)):          # a checkpoint inside, synced by its writer
                 continue
             with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())
@@ -218,7 +218,8 @@ def save_resume_point(policy, tokenizer, optimizer, losses, update_args, run_dir
     state = {"iteration": iterations_done, "bad_steps": bad_steps}
     extra_files = {"train_state.json": lambda path: files.write_json(path, state)}
     if critic is not None:
-        extra_files["critic"] = checkpoint_writer(critic.model, tokenizer, critic.optimizer, losses, update_args)
+        extra_files["critic"] = checkpoint_writer(critic.model, tokenizer, critic.optimizer, losses,
+                                                  update_args)
     save_policy(policy, tokenizer, optimizer, losses, update_args, os.path.join(run_dir, "policy"),
                 extra_files=extra_files, saver=saver,
                 after_write=(lambda: keep_checkpoint(run_dir, iterations_done)) if keep else None)
