@@ -5,6 +5,8 @@ process of torchrun).
     python train.py --config tiny    # a tiny Llama learning a toy task from scratch (about a minute)
     python train.py --check          # sample the first batch, report its reward spread, write nothing
     python train.py --algo ppo       # the baseline: PPO with a critic and GAE, on the same stages
+    python train.py --config-file runs/tiny/config.json --seed 1 --run-dir runs/tiny_seed1
+    python train.py --reward exact_answer my_rewards.py:format_reward --reward-weights 1 0.2
     python train.py --run-dir runs/default --resume --iterations 30     # continue a run
     torchrun --nproc_per_node 8 train.py --config gpu [--fsdp]          # one node, 8 GPUs
 
@@ -41,10 +43,10 @@ from grpo import (builders, checkpoints, diagnostics, distributed, evaluation, f
 from grpo.cli import ArgumentParser, StageError, run_cli, warn
 
 
-def knob(default, help):
-    """A configuration field and its --help text."""
+def knob(default, help, item=str):
+    """A configuration field and its --help text (`item`: the type of a list's elements)."""
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata={"help": help, "item": item})
     return field(default=default, metadata={"help": help})
 
 
@@ -75,6 +77,8 @@ class Config:
     minibatch_size: int = knob(0, "completions per optimizer step; 0 = all")
     micro_batch_size: int = knob(0, "rows per forward pass of every stage; 0 = all")
     max_bad_steps: int = knob(5, "non-finite steps the whole run may skip before it stops")
+    max_grad_norm: float = knob(1.0, "gradient clipping (policy and critic)")
+    weight_decay: float = knob(0.0, "AdamW weight decay")
     estimator: str = knob(None, "advantage estimator: grpo, dr_grpo, rloo, batch; gae with --algo ppo; "
                                 "unset: grpo, or gae with --algo ppo")
     scale: str = knob("group", "grpo's std: group, batch or none (TRL's scale_rewards)")
@@ -88,7 +92,8 @@ class Config:
     critic_lr: float = knob(None, "the critic's learning rate (PPO); unset = 10 × lr")
     vf_coef: float = knob(1.0, "c_V: value-loss weight (PPO)")
     value_clip: float = knob(0.2, "ε_v: value clip (PPO)")
-    rewards: list = knob([], "score.py's --reward SPECs; default: the task's")
+    reward: list = knob([], "score.py's --reward SPECs; default: the task's")
+    reward_weights: list = knob([], "score.py's weight of each --reward; default: all 1", item=float)
     on_reward_error: str = knob("fail", "fail or skip (score.py)")
     overlong_buffer: int = knob(0, "L: DAPO's overlong buffer; 0 = off")
     length_penalty: float = knob(0.0, "α: length penalty; 0 = off")
@@ -117,27 +122,35 @@ STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "up
 
 
 def parse_args(argv=None):
-    """The run's configuration: a named config with flags on top or, with --resume, the saved one."""
+    """The run's configuration: a named config (or a JSON file) with flags on top or, with --resume,
+    the saved one."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="default", choices=list(CONFIGS), help="named configuration")
-    p.add_argument("--run-dir", default=None, help="run folder (default: runs/CONFIG)")
+    p.add_argument("--config", default=None, choices=list(CONFIGS),
+                   help="named configuration (default: default)")
+    p.add_argument("--config-file", default=None,
+                   help="start from a JSON file instead: an object of fields, or a run's config.json")
+    p.add_argument("--run-dir", default=None, help="run folder (default: runs/CONFIG or runs/FILE's stem)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last save")
     p.add_argument("--check", action="store_true",
                    help="sample and score the first batch, report its reward spread, write nothing")
     for f in dataclasses.fields(Config):
-        flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: from --config)"
+        default = getattr(CONFIGS["default"], f.name)
+        flag, text = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default config: {default!r})"
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            p.add_argument(flag, type=str if f.type is list else f.type, default=None, help=text,
-                           nargs="+" if f.type is list else None)
+            p.add_argument(flag, type=f.metadata["item"] if f.type is list else f.type, default=None,
+                           help=text, nargs="+" if f.type is list else None)
     args = p.parse_args(argv)
+    if args.config and args.config_file:
+        raise StageError("--config and --config-file both name the starting configuration; give one")
     overrides = {k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__ and v is not None}
-    run_dir = args.run_dir or os.path.join("runs", args.config)
+    name = os.path.splitext(os.path.basename(args.config_file))[0] if args.config_file else args.config
+    run_dir = args.run_dir or os.path.join("runs", name or "default")
     if args.resume:
         if not os.path.isfile(os.path.join(run_dir, "config.json")):
             raise StageError(f"{run_dir}: no config.json to resume from")
-        cfg = Config(**files.read_json(os.path.join(run_dir, "config.json"))["config"])
+        cfg = read_config(os.path.join(run_dir, "config.json"))
         resumable = RESUMABLE - ({"iterations"} if cfg.lr_schedule != "constant" else set())
         changed = {k for k, v in overrides.items() if k not in resumable and v != getattr(cfg, k)}
         if changed:                            # a decaying learning rate spans the run's iterations
@@ -147,16 +160,32 @@ def parse_args(argv=None):
         if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
             raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
                              f"--run-dir")
-        cfg = CONFIGS[args.config]
+        cfg = read_config(args.config_file) if args.config_file else CONFIGS[args.config or "default"]
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.task not in tasks.TASKS:
         raise StageError(f"--task {cfg.task!r}: expected one of {', '.join(tasks.TASKS)}")
-    cfg.rewards = cfg.rewards or tasks.TASKS[cfg.task][1]
+    cfg.reward = cfg.reward or tasks.TASKS[cfg.task][1]
     check_algo(cfg)
     paths = {"model": "model", "ref_model": "ref", "critic": "critic" if cfg.algo == "ppo" else None}
     for script in STAGES:                             # each stage checks its flags before anything is written
         stage_args(script, cfg, "it", 0, 0, paths, [])
     return args, cfg, run_dir
+
+
+def read_config(path):
+    """A Config from a JSON file: {"config": {...}} as a run's config.json holds it, or the fields alone.
+    Fields it leaves out take the default configuration's values."""
+    saved = files.read_json(path)
+    fields = saved.get("config", saved) if isinstance(saved, dict) else None
+    if not isinstance(fields, dict):
+        raise StageError(f"{path}: expected a JSON object of configuration fields")
+    if "rewards" in fields and "reward" not in fields:          # the field's name before --reward-weights
+        fields = {**fields, "reward": fields["rewards"]}
+        del fields["rewards"]
+    unknown = sorted(set(fields) - set(Config.__dataclass_fields__))
+    if unknown:
+        raise StageError(f"{path}: unknown configuration fields {', '.join(unknown)}")
+    return Config(**fields)
 
 
 def check_algo(cfg):
@@ -186,7 +215,7 @@ def stage_args(script, cfg, it_dir, slot, i, paths, commands):
     own = {"sample.py": dict(model=paths["model"], prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
                              ref_model=paths["ref_model"], critic=critic, seed=cfg.seed * 1_000_003 + slot),
            "score.py": dict(rollouts=path["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"),
-                            reward=cfg.rewards, out=path["rewards"]),
+                            reward=cfg.reward, out=path["rewards"]),
            "advantage.py": dict(rewards=path["rewards"], out=path["advantages"],
                                 rollouts=path["rollouts"] if cfg.estimator == "gae" else None),
            "update.py": dict(model=paths["model"], rollouts=path["rollouts"], advantages=path["advantages"],
@@ -199,7 +228,7 @@ def stage_args(script, cfg, it_dir, slot, i, paths, commands):
               if hasattr(cfg, a.dest) and a.dest not in own[script]}
     argv = []
     for name, value in {**own[script], **shared}.items():
-        if value is None or (value is False and name != "whiten"):       # not given: the stage's default
+        if value is None or value == [] or (value is False and name != "whiten"):   # the stage's default
             continue
         argv.append(("--" if value is not False else "--no-") + name.replace("_", "-"))
         if isinstance(value, list):
@@ -228,7 +257,7 @@ def start(cfg, run_dir, done):
     main, new = distributed.is_main(), not os.path.exists(run_dir)
     device = distributed.pick_device(cfg.device)
     try:
-        reward_fns = [reward_specs.load_reward(s, device, 0, cfg.trust_remote_code) for s in cfg.rewards]
+        reward_fns = [reward_specs.load_reward(s, device, 0, cfg.trust_remote_code) for s in cfg.reward]
         if main:
             os.makedirs(run_dir, exist_ok=True)
             files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})

@@ -153,7 +153,39 @@ def test_a_field_reaches_every_stage_with_a_flag_of_its_name(tmp_path):
     import train
 
     _, cfg, _ = train.parse_args(["--config", "tiny", "--micro-batch-size", "5", "--eps", "0.01",
+                                  "--reward", "char_class", "tests/length_reward.py:char_count",
+                                  "--reward-weights", "1", "0.5", "--max-grad-norm", "0.3", "--weight-decay", "0.1",
                                   "--run-dir", str(tmp_path / "r")])
-    stage = {script: train.stage_args(script, cfg, "it", 0, 0, {"model": "m", "ref_model": None, "critic": None}, []) for script in train.STAGES}
+    paths = {"model": "m", "ref_model": None, "critic": None}
+    stage = {script: train.stage_args(script, cfg, "it", 0, 0, paths, []) for script in train.STAGES}
     assert [stage[s].micro_batch_size for s in ("sample.py", "score.py", "update.py")] == [5, 5, 5]
     assert stage["advantage.py"].eps == 0.01 and stage["update.py"].temperature == cfg.temperature
+    assert stage["score.py"].reward == ["char_class", "tests/length_reward.py:char_count"]
+    assert stage["score.py"].reward_weights == [1.0, 0.5]
+    assert stage["update.py"].max_grad_norm == 0.3 and stage["update.py"].weight_decay == 0.1
+    # Without --reward the task's reward, each weighted 1 by score.py's own default.
+    _, cfg, _ = train.parse_args(["--config", "tiny", "--run-dir", str(tmp_path / "r")])
+    assert train.stage_args("score.py", cfg, "it", 0, 0, paths, []).reward_weights == [1.0]
+    r = cli("train.py", "--config", "tiny", "--run-dir", tmp_path / "w", "--reward-weights", 1, 2)
+    assert_user_error(r, "--reward-weights has 2 values for 1")
+
+
+def test_config_file_starts_a_run_from_json(tiny_run, tmp_path):
+    import train
+
+    run_dir, _ = tiny_run
+    # A run's config.json as it is, flags on top: the same configuration but the flag.
+    _, cfg, run = train.parse_args(["--config-file", str(run_dir / "config.json"), "--iterations", "3"])
+    saved = json.loads((run_dir / "config.json").read_text())["config"]
+    assert vars(cfg) == {**saved, "iterations": 3} and run == os.path.join("runs", "config")
+    # The fields alone, some of them: the rest from the default configuration; the old name of --reward.
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"model": "tiny", "task": "char_classes", "rewards": ["char_class"], "lr": 0.002}))
+    _, cfg, run = train.parse_args(["--config-file", str(path)])
+    assert (cfg.model, cfg.lr, cfg.reward, cfg.group_size) == ("tiny", 0.002, ["char_class"], 8)
+    assert run == os.path.join("runs", "mine")
+    path.write_text(json.dumps({"model": "tiny", "learning_rate": 0.1}))
+    assert_user_error(cli("train.py", "--config-file", path), str(path), "learning_rate")
+    path.write_text("[1, 2]")
+    assert_user_error(cli("train.py", "--config-file", path), str(path), "JSON object")
+    assert_user_error(cli("train.py", "--config-file", path, "--config", "tiny"), "--config-file")

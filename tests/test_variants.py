@@ -149,7 +149,7 @@ def test_tiny_run_learns_with_each_estimator(tmp_path, estimator):
 def test_dapo_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     reward = os.path.join(os.path.dirname(__file__), "rewards_for_tests.py") + ":digits_in_even_groups"
     run = tmp_path / "run"
-    r = cli("train.py", "--config", "tiny", "--run-dir", run, "--iterations", 1, "--rewards", reward,
+    r = cli("train.py", "--config", "tiny", "--run-dir", run, "--iterations", 1, "--reward", reward,
             "--dynamic-sampling", "--max-sample-rounds", 4)
     assert r.code == 0, r.err
     m = json.loads((run / "iter_0000" / "metrics.json").read_text())
