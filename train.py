@@ -363,10 +363,11 @@ def main(argv=None):
 
     models, optimizer, reward_fns = start(cfg, run_dir, done)
     policy_dir = os.path.join(run_dir, "policy")
+    weights = cfg.reward_weights or [1.0] * len(reward_fns)           # as score.py weighs them
     held_out_eval = evaluation.HeldOut(
         held_out[:cfg.eval_prompts], models.tokenizer, max_new_tokens=cfg.max_new_tokens, run_dir=run_dir,
-        score=lambda rows, rollouts: score.score(rollouts, rows, reward_fns, [1.0] * len(reward_fns))[0],
-        trust_remote_code=cfg.trust_remote_code)
+        score=lambda rows, rollouts: score.score(rollouts, rows, reward_fns, weights)[0],
+        trust_remote_code=cfg.trust_remote_code, micro_batch_size=cfg.micro_batch_size)
     writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
     previous = files.read_json(previous) if done and os.path.isfile(previous) else None

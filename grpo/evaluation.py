@@ -9,23 +9,30 @@ import torch
 from transformers import GenerationConfig
 
 from grpo import files, modeling
+from grpo.distributed import row_slices
 
 
 @torch.inference_mode()
-def greedy_answers(model, tokenizer, records, score, max_new_tokens):
+def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch_size=0):
     """Greedy completions of the prompt records and their rewards: (texts, completions, rewards [n],
-    lengths [n]). transformers' generate does the decoding: no log-probs are needed here, and the
-    explicit config keeps a model's own generation settings (sampling, penalties) out of it.
-    `score(rows, rollouts)` returns one reward per row, as score.py would."""
+    lengths [n]). transformers' generate does the decoding, `micro_batch_size` rows at a time (0: all):
+    no log-probs are needed here, and the explicit config keeps a model's own generation settings
+    (sampling, penalties) out of it. `score(rows, rollouts)` returns one reward per row, as score.py
+    would."""
     device = next(model.parameters()).device
     texts, token_lists = modeling.render_prompts(records, tokenizer, "held-out prompts", None)
     prompt_ids, prompt_mask = modeling.left_pad(token_lists, tokenizer.pad_token_id)        # [n, P]
     eos = modeling.eos_token_ids(tokenizer, model)
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                               pad_token_id=tokenizer.pad_token_id)
-    out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.long().to(device),
-                         generation_config=config)
-    ids = out[:, prompt_ids.shape[1]:].cpu()                                                # [n, T]
+    pieces = []
+    for rows in row_slices(len(records), micro_batch_size):
+        out = model.generate(input_ids=prompt_ids[rows].to(device),
+                             attention_mask=prompt_mask[rows].long().to(device), generation_config=config)
+        pieces.append(out[:, prompt_ids.shape[1]:].cpu())                                  # [m, T_m]
+    # A slice stops early only when each of its rows has its EOS: the padding lies after every EOS.
+    width = max(p.shape[1] for p in pieces)
+    ids = torch.cat([modeling.pad_columns(p, width, tokenizer.pad_token_id) for p in pieces])    # [n, T]
     is_eos = torch.isin(ids, torch.tensor(eos))                                             # [n, T]
     mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0          # up to and including the first EOS
     completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(records))]
@@ -40,21 +47,24 @@ class HeldOut:
     are computed once per process: from the policy itself at step 0 when β = 0 keeps no reference
     model in memory, else from the reference model (loaded from `ref_dir` if need be)."""
 
-    def __init__(self, records, tokenizer, score, max_new_tokens, run_dir, trust_remote_code=False):
+    def __init__(self, records, tokenizer, score, max_new_tokens, run_dir, trust_remote_code=False,
+                 micro_batch_size=0):
         self.records, self.tokenizer, self.score = records, tokenizer, score
         self.max_new_tokens, self.run_dir, self.trust_remote_code = max_new_tokens, run_dir, trust_remote_code
+        self.micro_batch_size = micro_batch_size
         self.reference = None
 
     def __call__(self, policy, ref_model, ref_dir, step):
         """Writes eval/iter_{step}.jsonl and returns the eval/ metrics."""
-        answers = greedy_answers(policy, self.tokenizer, self.records, self.score, self.max_new_tokens)
+        answers = greedy_answers(policy, self.tokenizer, self.records, self.score, self.max_new_tokens,
+                                 self.micro_batch_size)
         if self.reference is None and ref_model is None and step == 0:
             self.reference = answers
         elif self.reference is None:
             device = next(policy.parameters()).device
             ref_model = ref_model or modeling.load_model(ref_dir, device, self.trust_remote_code)
             self.reference = greedy_answers(ref_model, self.tokenizer, self.records, self.score,
-                                            self.max_new_tokens)
+                                            self.max_new_tokens, self.micro_batch_size)
         texts, completions, rewards, lengths = answers
         _, ref_completions, ref_rewards, ref_lengths = self.reference
         rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b],

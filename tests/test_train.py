@@ -189,3 +189,21 @@ def test_config_file_starts_a_run_from_json(tiny_run, tmp_path):
     path.write_text("[1, 2]")
     assert_user_error(cli("train.py", "--config-file", path), str(path), "JSON object")
     assert_user_error(cli("train.py", "--config-file", path, "--config", "tiny"), "--config-file")
+
+
+def test_held_out_answers_do_not_depend_on_the_micro_batch(models):
+    from conftest import PROMPTS
+
+    from grpo import evaluation, modeling
+
+    model, tok = modeling.load_model(models["policy"], "cpu"), modeling.load_tokenizer(models["policy"])
+    records = PROMPTS * 2                                       # prompts of different lengths, 8 rows
+    lengths_seen = []
+
+    def score(rows, rollouts):
+        lengths_seen.append(rollouts["completion_ids"].shape[1])
+        return rollouts["completion_mask"].sum(-1).float()
+    whole = evaluation.greedy_answers(model, tok, records, score, 12)
+    passes = evaluation.greedy_answers(model, tok, records, score, 12, micro_batch_size=3)
+    assert whole[1] == passes[1] and torch.equal(whole[2], passes[2]) and torch.equal(whole[3], passes[3])
+    assert lengths_seen[0] == lengths_seen[1]
