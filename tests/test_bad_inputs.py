@@ -203,7 +203,7 @@ def test_bad_input(files, tmp_path, stage, case):
 def test_train_bad_inputs_leave_no_run_folder(tmp_path, files):
     run = tmp_path / "run"
     assert_user_error(cli("train.py", "--model", tmp_path / "nomodel", "--run-dir", run), "nomodel", "no such model folder")
-    assert_user_error(cli("train.py", "--config", "tiny", "--rewards", "no_such_reward", "--run-dir", run), "no_such_reward")
+    assert_user_error(cli("train.py", "--config", "tiny", "--reward", "no_such_reward", "--run-dir", run), "no_such_reward")
     assert_user_error(cli("train.py", "--config", "tiny", "--group-size", "0", "--run-dir", run), "--group-size")
     assert_user_error(cli("train.py", "--config", "tiny", "--no-such-flag", "--run-dir", run), "--no-such-flag")
     assert not run.exists()

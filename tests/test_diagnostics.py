@@ -58,7 +58,7 @@ def test_diversity_hand_vector_and_collapse_flag():
 
 
 def test_check_warns_on_a_constant_reward(tmp_path):
-    r = cli("train.py", "--config", "tiny", "--check", "--rewards", f"{REWARDS}:constant", "--run-dir", tmp_path / "r")
+    r = cli("train.py", "--config", "tiny", "--check", "--reward", f"{REWARDS}:constant", "--run-dir", tmp_path / "r")
     assert r.code == 0, r.err
     assert "100% of groups have all-equal rewards" in r.out
     assert "WARNING: most groups carry no signal" in r.out and "raise G" in r.out
@@ -68,7 +68,7 @@ def test_check_warns_on_a_constant_reward(tmp_path):
 def test_run_logs_zero_spread_and_length_correlation(tmp_path):
     run = tmp_path / "run"
     r = cli("train.py", "--config", "tiny", "--run-dir", run, "--iterations", 2, "--max-new-tokens", 40,
-            "--rewards", f"{REWARDS}:token_count")
+            "--reward", f"{REWARDS}:token_count")
     assert r.code == 0, r.err
     m = json.loads((run / "iter_0001" / "metrics.json").read_text())
     assert m["diag/length_reward_corr"] == pytest.approx(1.0)   # the reward is the length
@@ -82,7 +82,7 @@ def test_run_logs_zero_spread_and_length_correlation(tmp_path):
         assert key in m, key
 
     flat = tmp_path / "flat"
-    r = cli("train.py", "--config", "tiny", "--run-dir", flat, "--iterations", 1, "--rewards", f"{REWARDS}:constant")
+    r = cli("train.py", "--config", "tiny", "--run-dir", flat, "--iterations", 1, "--reward", f"{REWARDS}:constant")
     assert r.code == 0, r.err
     assert json.loads((flat / "iter_0000" / "metrics.json").read_text())["charts/frac_zero_std"] == 1.0
     assert "WARNING: most groups carry no signal" in r.err + r.out
