@@ -55,6 +55,8 @@ class Config:
     algo: str = knob("grpo", "grpo, or ppo: a critic V and GAE advantages (estimator gae) in the same stages")
     model: str = knob("", "the policy: an HF folder; '' = SmolLM2-135M-Instruct, 'tiny' = built here")
     task: str = knob("arithmetic", f"built-in task: {', '.join(tasks.TASKS)}")
+    prompts: str = knob("", "JSON-lines prompt file for training, in place of the task's records")
+    eval_prompts_file: str = knob("", "JSON-lines held-out prompts, in place of the task's")
     iterations: int = knob(15, "K: iterations")
     num_prompts: int = knob(4, "B: prompts per iteration")
     group_size: int = knob(8, "G: completions per prompt")
@@ -165,11 +167,30 @@ def parse_args(argv=None):
     if cfg.task not in tasks.TASKS:
         raise StageError(f"--task {cfg.task!r}: expected one of {', '.join(tasks.TASKS)}")
     cfg.reward = cfg.reward or tasks.TASKS[cfg.task][1]
+    for path in filter(None, (cfg.prompts, cfg.eval_prompts_file)):
+        read_prompt_file(path)                        # a bad file stops the run before anything is written
     check_algo(cfg)
     paths = {"model": "model", "ref_model": "ref", "critic": "critic" if cfg.algo == "ppo" else None}
     for script in STAGES:                             # each stage checks its flags before anything is written
         stage_args(script, cfg, "it", 0, 0, paths, [])
     return args, cfg, run_dir
+
+
+def read_prompt_file(path):
+    """The records of --prompts or --eval-prompts-file, each with what sample.py reads."""
+    records = files.read_jsonl(path)
+    for i, record in enumerate(records):
+        if not (isinstance(record.get("prompt"), (str, list)) or isinstance(record.get("messages"), list)):
+            raise StageError(f"{path}, record {i}: needs 'prompt' (a string or a list of chat turns) or "
+                             f"'messages' (a list of chat turns)")
+    return records
+
+
+def records_of(cfg):
+    """The training and held-out records: the task's, or those of --prompts and --eval-prompts-file."""
+    train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
+    return (read_prompt_file(cfg.prompts) if cfg.prompts else train,
+            read_prompt_file(cfg.eval_prompts_file) if cfg.eval_prompts_file else held_out)
 
 
 def read_config(path):
@@ -339,7 +360,7 @@ def main(argv=None):
     distributed.init_distributed(cfg.device)                  # under torchrun; rank 0 writes and logs
     main = distributed.is_main()
     distributed.barrier()                                 # every rank has checked run_dir before it exists
-    train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
+    train, held_out = records_of(cfg)
     if args.check:                                            # the first batch, in a folder removed after
         with tempfile.TemporaryDirectory() as scratch:
             models, _, reward_fns = start(cfg, scratch, 0)

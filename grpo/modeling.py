@@ -103,27 +103,31 @@ def eos_token_ids(tokenizer, model):
 def render_prompts(records, tokenizer, path, max_len, first_index=0):
     """The text the model sees and its token ids, one per prompt record.
 
-    "messages" (a chat) is rendered with the tokenizer's chat template and the generation prompt,
-    and already holds the special tokens; a "prompt" string gets the tokenizer's own (BOS, if any).
+    "messages", or "prompt" as a list of chat turns (TRL's conversational format), is rendered with
+    the tokenizer's chat template and the generation prompt, and already holds the special tokens;
+    a "prompt" string gets the tokenizer's own (BOS, if any).
     """
     texts, ids = [], []
     for i, record in enumerate(records, first_index):
         where = f"{path}, record {i}"
-        if "messages" in record:
-            chat = record["messages"]
+        chat_key = "prompt" if isinstance(record.get("prompt"), list) else None
+        key = "messages" if "messages" in record else chat_key
+        if key:
+            chat = record[key]
             if not (isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(
                     m.get("role"), str) and isinstance(m.get("content"), str) for m in chat)):
-                raise StageError(f"{where}: 'messages' must be a non-empty list of "
+                raise StageError(f"{where}: '{key}' must be a non-empty list of "
                                  f'{{"role": str, "content": str}} objects')
             if tokenizer.chat_template is None:
-                raise StageError(f"{where}: has 'messages' but the tokenizer has no chat template")
+                raise StageError(f"{where}: has '{key}' as chat turns but the tokenizer has no chat template")
             text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(record.get("prompt"), str):
             text = record["prompt"]
             tokens = tokenizer(text)["input_ids"]
         else:
-            raise StageError(f"{where}: needs 'prompt' (a string) or 'messages' (a list of chat turns)")
+            raise StageError(f"{where}: needs 'prompt' (a string or a list of chat turns) or 'messages' "
+                             f"(a list of chat turns)")
         if not tokens:
             raise StageError(f"{where}: the prompt is empty")
         if max_len is not None and len(tokens) > max_len:

@@ -154,3 +154,13 @@ def test_tokenizer_without_pad_token_is_handled(tmp_path, prompts_file):
     assert r.code == 0, r.err
     rollouts = load_file(tmp_path / "o" / "rollouts.safetensors")
     assert rollouts["prompt_mask"].sum(1).tolist() == [14, 14, 47, 47]   # "What is 2 + 3?" and the longer one
+
+
+def test_prompt_as_a_list_of_chat_turns_is_rendered_like_messages(models):
+    from grpo import modeling
+
+    tok = modeling.load_tokenizer(models["policy"])
+    chat = [{"role": "user", "content": "9+1?"}]
+    as_messages = modeling.render_prompts([{"messages": chat}], tok, "p", None)
+    as_prompt = modeling.render_prompts([{"prompt": chat}], tok, "p", None)
+    assert as_messages == as_prompt and as_prompt[0][0] != "9+1?"

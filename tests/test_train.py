@@ -207,3 +207,24 @@ def test_held_out_answers_do_not_depend_on_the_micro_batch(models):
     passes = evaluation.greedy_answers(model, tok, records, score, 12, micro_batch_size=3)
     assert whole[1] == passes[1] and torch.equal(whole[2], passes[2]) and torch.equal(whole[3], passes[3])
     assert lengths_seen[0] == lengths_seen[1]
+
+
+def test_prompt_files_replace_the_tasks_records(tmp_path):
+    from conftest import write_jsonl
+
+    train_file = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{c}:", "char_class": c, "mine": k}
+                                                        for k, c in enumerate(["digits", "lower", "upper"] * 2)])
+    chat = [{"prompt": [{"role": "user", "content": "digits:"}], "char_class": "digits", "held": k} for k in range(3)]
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", chat)
+    run = tmp_path / "run"
+    r = cli("train.py", "--config", "tiny", "--run-dir", run, "--iterations", 2, "--num-prompts", 4,
+            "--prompts", train_file, "--eval-prompts-file", eval_file, "--eval-every", 2)
+    assert r.code == 0, r.err
+    seen = [json.loads(line)["mine"] for i in range(2) for line in open(run / f"iter_{i:04d}" / "prompts.jsonl")]
+    assert sorted(seen[:6]) == list(range(6))                 # the first pass over the file: each record once
+    held = [json.loads(line) for line in open(run / "eval" / "iter_0002.jsonl")]
+    assert [row["held"] for row in held] == [0, 1, 2] and all("digits:" in row["prompt"] for row in held)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}, {"question": "no prompt"}])
+    r = cli("train.py", "--config", "tiny", "--run-dir", tmp_path / "b", "--prompts", bad)
+    assert_user_error(r, str(bad), "record 1", "'prompt'")
+    assert not (tmp_path / "b").exists()
