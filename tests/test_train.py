@@ -228,3 +228,19 @@ def test_prompt_files_replace_the_tasks_records(tmp_path):
     r = cli("train.py", "--config", "tiny", "--run-dir", tmp_path / "b", "--prompts", bad)
     assert_user_error(r, str(bad), "record 1", "'prompt'")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_run_on_a_prompt_file_resumes_exactly(tmp_path):
+    from conftest import write_jsonl
+
+    prompts = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{c}:", "char_class": c}
+                                                     for c in ["digits", "lower", "upper", "digits", "lower"]])
+    flags = ["--config", "tiny", "--prompts", prompts, "--num-prompts", 3, "--eval-every", 0, "--save-every", 1]
+    assert cli("train.py", *flags, "--run-dir", tmp_path / "straight", "--iterations", 4).code == 0
+    assert cli("train.py", *flags, "--run-dir", tmp_path / "resumed", "--iterations", 2).code == 0
+    r = cli("train.py", *flags, "--run-dir", tmp_path / "resumed", "--iterations", 4, "--resume")
+    assert r.code == 0, r.err
+    assert_same_weights(tmp_path / "straight" / "policy", tmp_path / "resumed" / "policy")
+    for i in range(4):       # iterations 2 and 3 cross the file's first pass (5 records, 3 per iteration)
+        assert (tmp_path / "straight" / f"iter_{i:04d}" / "prompts.jsonl").read_text() == \
+            (tmp_path / "resumed" / f"iter_{i:04d}" / "prompts.jsonl").read_text()
