@@ -167,8 +167,6 @@ def parse_args(argv=None):
     if cfg.task not in tasks.TASKS:
         raise StageError(f"--task {cfg.task!r}: expected one of {', '.join(tasks.TASKS)}")
     cfg.reward = cfg.reward or tasks.TASKS[cfg.task][1]
-    for path in filter(None, (cfg.prompts, cfg.eval_prompts_file)):
-        read_prompt_file(path)                        # a bad file stops the run before anything is written
     check_algo(cfg)
     paths = {"model": "model", "ref_model": "ref", "critic": "critic" if cfg.algo == "ppo" else None}
     for script in STAGES:                             # each stage checks its flags before anything is written
@@ -187,7 +185,8 @@ def read_prompt_file(path):
 
 
 def records_of(cfg):
-    """The training and held-out records: the task's, or those of --prompts and --eval-prompts-file."""
+    """The training and held-out records: the task's, or those of --prompts and --eval-prompts-file
+    (read before the run folder exists, so a bad file stops the run with nothing written)."""
     train, held_out, _ = tasks.make_task(cfg.task, cfg.seed)
     return (read_prompt_file(cfg.prompts) if cfg.prompts else train,
             read_prompt_file(cfg.eval_prompts_file) if cfg.eval_prompts_file else held_out)
@@ -288,7 +287,7 @@ def start(cfg, run_dir, done):
         sampler = policy
         if cfg.fsdp and distributed.rank_and_world()[1] > 1:
             sampler = modeling.load_model(path, device, cfg.trust_remote_code)
-        needs_ref = cfg.beta != 0 or (cfg.algo == "ppo" and cfg.kl_in_reward != 0)
+        needs_ref = cfg.beta != 0 or cfg.kl_in_reward != 0           # the k1 of --kl-in-reward (PPO)
         models = Models(base, modeling.load_tokenizer(path, cfg.trust_remote_code),
                         distributed.distribute(policy, cfg.fsdp), sampler,
                         modeling.load_model(base, device, cfg.trust_remote_code) if needs_ref else None)
@@ -375,7 +374,7 @@ def main(argv=None):
     done, bad_steps = distributed.broadcast_ints(restored)            # rank 0 read the run folder
     if done > cfg.iterations:
         raise StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
-    if cfg.beta == 0 and not (cfg.algo == "ppo" and cfg.kl_in_reward != 0):
+    if cfg.beta == 0 and cfg.kl_in_reward == 0:                       # PPO's KL may sit in the reward
         warn(diagnostics.BETA_ZERO_WARNING)
     if cfg.kl_estimator == "k1" and cfg.beta != 0:
         warn(diagnostics.K1_WARNING)

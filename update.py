@@ -307,12 +307,12 @@ def set_lr(optimizer, lr):
         group["lr"] = lr
 
 
-def skip_step(optimizers, skipped, grad_norm, loss, max_bad_steps):
+def skip_step(optimizers, skipped, grad_norms, loss, max_bad_steps):
     """A non-finite loss or gradient would write NaN into every weight: drop the step, count it."""
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
     skipped += 1
-    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad norms {grad_norm}); "
+    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad norms {grad_norms}); "
          f"optimizer step skipped ({skipped} so far)")
     if skipped > max_bad_steps:
         raise StageError(f"{skipped} optimizer steps had a non-finite loss or gradient, more than "
