@@ -21,7 +21,7 @@ Conventions (FORMATS.md):
   [B, G] and normalised along G only, never over the batch.
 - std is Bessel-corrected (divides by G − 1, torch.std's default), so G = 1 is an error.
 - A group whose rewards are all equal carries no signal and gets exactly 0, decided explicitly
-  by diagnostics.all_equal_groups: a spread max − min of at most 4 float32 ulps of max|r|, so
+  by diagnostics.no_signal_groups (all_equal_groups): a spread max − min of at most 4 float32 ulps of max|r|, so
   float32 residue (0.1 + 0.2 vs 0.3) does not turn into ±0.7 advantages, while rewards 1e6 and
   1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
 - Arithmetic is in float64; the file holds float32.
@@ -40,7 +40,7 @@ import torch
 
 from grpo import files
 from grpo.cli import ArgumentParser, StageError, run_cli
-from grpo.diagnostics import all_equal_groups
+from grpo.diagnostics import group_mean_std, no_signal_groups
 
 
 def build_parser():
@@ -117,53 +117,58 @@ def check_groups(group_ids, path):
     return run_ids.numel(), int(sizes[0])
 
 
-def group_rewards(rewards, group_ids, path="group_ids"):
-    """View rewards [N] as [B, G], one row per prompt's group."""
+def group_rewards(rewards, group_ids, path="group_ids", skipped=None):
+    """View rewards [N] as [B, G], one row per prompt's group; returns (r [B, G], valid [B, G]), valid
+    false on the rows score.py skipped (no reward applied to them)."""
     B, G = check_groups(group_ids, path)
     if G < 2:
         raise StageError(f"{path}: every group has G = 1 completion; a group-relative advantage needs "
                          f"G ≥ 2 (sample with --group-size 2 or more)")
-    return rewards.double().reshape(B, G)                                   # [B, G]
+    valid = torch.ones(B, G, dtype=torch.bool) if skipped is None else ~skipped.bool().reshape(B, G)
+    return rewards.double().reshape(B, G), valid
 
 
-def grpo_advantages(rewards, group_ids, eps=1e-4, scale="group"):
+def grpo_advantages(rewards, group_ids, eps=1e-4, scale="group", skipped=None):
     """A_i = (r_i − mean) / (std + ε) within each group; exactly 0 for all-equal groups. [N] -> [N]
-    `scale`: std is the group's (DeepSeekMath), the whole batch's ("batch"), or 1 with no ε ("none")."""
-    r = group_rewards(rewards, group_ids)                                   # [B, G]
-    mean = r.mean(-1, keepdim=True)                                         # [B, 1]
+    `scale`: std is the group's (DeepSeekMath), the whole batch's ("batch"), or 1 with no ε ("none").
+    Skipped rows get 0 and count in no mean or std (so do dr_grpo, rloo and batch below)."""
+    r, valid = group_rewards(rewards, group_ids, skipped=skipped)            # [B, G]
+    mean, std = group_mean_std(r, valid)                                    # [B, 1]
     if scale == "group":
-        denominator = r.std(-1, keepdim=True) + eps                         # [B, 1] Bessel-corrected
+        denominator = std + eps                                             # [B, 1] Bessel-corrected
     elif scale == "batch":
-        denominator = r.std() + eps                                         # [] over all N rewards
+        denominator = r[valid].std() + eps                                  # [] over all valid rewards
     else:
         denominator = 1.0
-    A = torch.where(all_equal_groups(r)[:, None], 0.0, (r - mean) / denominator)   # [B, G]
+    A = torch.where(no_signal_groups(r, valid)[:, None] | ~valid, 0.0, (r - mean) / denominator)   # [B, G]
     return A.flatten().float()
 
 
-def dr_grpo_advantages(rewards, group_ids):
+def dr_grpo_advantages(rewards, group_ids, skipped=None):
     """A_i = r_i − mean (Dr. GRPO: no std division, so easy and hard prompts weigh alike). [N] -> [N]"""
-    r = group_rewards(rewards, group_ids)                                   # [B, G]
-    A = torch.where(all_equal_groups(r)[:, None], 0.0, r - r.mean(-1, keepdim=True))   # [B, G]
+    r, valid = group_rewards(rewards, group_ids, skipped=skipped)            # [B, G]
+    mean, _ = group_mean_std(r, valid)                                      # [B, 1]
+    A = torch.where(no_signal_groups(r, valid)[:, None] | ~valid, 0.0, r - mean)   # [B, G]
     return A.flatten().float()
 
 
-def rloo_advantages(rewards, group_ids):
+def rloo_advantages(rewards, group_ids, skipped=None):
     """A_i = r_i − (Σ_{j≠i} r_j) / (G − 1), the leave-one-out baseline (RLOO). [N] -> [N]"""
-    r = group_rewards(rewards, group_ids)                                   # [B, G]
-    G = r.shape[1]
-    baseline = (r.sum(-1, keepdim=True) - r) / (G - 1)                      # [B, G]
-    A = torch.where(all_equal_groups(r)[:, None], 0.0, r - baseline)        # [B, G]
+    r, valid = group_rewards(rewards, group_ids, skipped=skipped)            # [B, G]
+    n = valid.sum(-1, keepdim=True)                                         # [B, 1] G without skipped rows
+    baseline = (torch.where(valid, r, 0.0).sum(-1, keepdim=True) - r) / (n - 1).clamp(min=1)   # [B, G]
+    A = torch.where(no_signal_groups(r, valid)[:, None] | ~valid, 0.0, r - baseline)   # [B, G]
     return A.flatten().float()
 
 
-def batch_advantages(rewards, eps=1e-4):
+def batch_advantages(rewards, eps=1e-4, skipped=None):
     """A_i = (r_i − mean(r)) / (std(r) + ε) over all N rows. An ablation: a prompt that is easy for
     every sample now pushes all of them up, and hard prompts push theirs down, whatever their merit."""
     r = rewards.double()                                                    # [N]
-    if all_equal_groups(r[None])[0]:
+    valid = torch.ones_like(r, dtype=torch.bool) if skipped is None else ~skipped.bool()   # [N]
+    if no_signal_groups(r[None], valid[None])[0]:
         return torch.zeros_like(rewards)
-    return ((r - r.mean()) / (r.std() + eps)).float()
+    return torch.where(valid, (r - r[valid].mean()) / (r[valid].std() + eps), 0.0).float()
 
 
 # Whitening divides by sqrt(var + this), as TRL's masked_whiten does: std 1 to float precision, and an
@@ -171,7 +176,7 @@ def batch_advantages(rewards, eps=1e-4):
 WHITEN_EPS = 1e-8
 
 
-def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=True):
+def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=True, skipped=None):
     """Generalised advantage estimation (Schulman et al. 2016) over each completion's tokens.
 
     rewards [N] (r_i, given to the last real token), values [N, T] (V_t), mask [N, T] (a prefix of
@@ -181,7 +186,8 @@ def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=
         A_t = Σ_l (γλ)^l δ_{t+l} = δ_t + γλ·A_{t+1}
         R_t = A_t + V_t                      the critic's target, before whitening
     Returns (A [N, T], R [N, T]), float32, 0 where the mask is false; with `whiten`, A is shifted and
-    scaled over all real tokens of the batch to mean 0 and std 1 (Bessel), R is not.
+    scaled over all real tokens of the batch to mean 0 and std 1 (Bessel), R is not. Skipped rows
+    ([N] bool, no reward applied) get A = 0 and R = V, and take no part in the whitening.
     """
     N, T = mask.shape
     lengths = mask.sum(-1)                                                  # [N]
@@ -196,6 +202,9 @@ def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=
         delta = r[:, t] + gamma * next_V - V[:, t]                          # δ_t                  [N]
         A[:, t] = torch.where(mask[:, t], delta + gamma * lam * next_A, 0.0)
         next_A, next_V = A[:, t], V[:, t]
+    if skipped is not None:
+        mask = mask & ~skipped.bool()[:, None]                              # [N, T] rows with a reward
+        A = torch.where(mask, A, 0.0)
     R = A + V                                                               # [N, T], 0 off the mask
     if whiten:
         real = A[mask]                                                      # [tokens]
@@ -237,10 +246,12 @@ def load_gae_inputs(rewards_file, data, rollouts_file, kl_in_reward=0.0):
     return rollouts
 
 
-def group_stats(rewards, group_ids):
-    """Per-group diagnostics: group_mean [B], group_std [B] (Bessel), zero_std [B] bool."""
-    r = group_rewards(rewards, group_ids)                                   # [B, G]
-    return {"group_mean": r.mean(-1).float(), "group_std": r.std(-1).float(), "zero_std": all_equal_groups(r)}
+def group_stats(rewards, group_ids, skipped=None):
+    """Per-group diagnostics over the rows not skipped: group_mean [B], group_std [B] (Bessel), zero_std
+    [B] bool (no signal: all-equal rewards, or fewer than 2 rows)."""
+    r, valid = group_rewards(rewards, group_ids, skipped=skipped)            # [B, G]
+    mean, std = group_mean_std(r, valid)                                    # [B, 1]
+    return {"group_mean": mean[:, 0].float(), "group_std": std[:, 0].float(), "zero_std": no_signal_groups(r, valid)}
 
 
 def length_strata(group_ids, lengths, strata, path="rewards"):
@@ -259,34 +270,36 @@ def length_strata(group_ids, lengths, strata, path="rewards"):
     return order, strata_ids
 
 
-def compute_advantages(rewards, group_ids, args, lengths=None, rollouts=None):
+def compute_advantages(rewards, group_ids, args, lengths=None, rollouts=None, skipped=None):
     """The advantages file's tensors for args.estimator (within length strata with --length-strata);
-    gae reads the critic's values, the mask and the log-probs from `rollouts`."""
+    gae reads the critic's values, the mask and the log-probs from `rollouts`. Rows `skipped` [N] (no
+    reward applied) get advantage 0 and take no part in any mean or std."""
     if args.estimator == "gae":
         kl = None
         if args.kl_in_reward != 0:
             kl = args.kl_in_reward * (rollouts["old_logprobs"] - rollouts["ref_logprobs"])    # [N, T]
         A, R = gae_advantages(rewards, rollouts["values"], rollouts["completion_mask"], args.gamma, args.lam,
-                              kl, args.whiten)
+                              kl, args.whiten, skipped)
         return {"advantages": A, "returns": R, "group_ids": group_ids}
     if args.length_strata > 1:
         order, strata_ids = length_strata(group_ids, lengths, args.length_strata)
         whole_groups = argparse.Namespace(**{**vars(args), "length_strata": 1})
-        inner = compute_advantages(rewards[order], strata_ids, whole_groups)
+        inner = compute_advantages(rewards[order], strata_ids, whole_groups,
+                                   skipped=None if skipped is None else skipped[order])
         A = torch.empty_like(inner["advantages"])
         A[order] = inner["advantages"]                                  # back to the file's row order
         return {**inner, "advantages": A, "group_ids": group_ids}
     if args.estimator == "grpo":
-        A = grpo_advantages(rewards, group_ids, args.eps, args.scale)
+        A = grpo_advantages(rewards, group_ids, args.eps, args.scale, skipped)
     elif args.estimator == "dr_grpo":
-        A = dr_grpo_advantages(rewards, group_ids)
+        A = dr_grpo_advantages(rewards, group_ids, skipped)
     elif args.estimator == "rloo":
-        A = rloo_advantages(rewards, group_ids)
+        A = rloo_advantages(rewards, group_ids, skipped)
     elif args.estimator == "batch":
-        A = batch_advantages(rewards, args.eps)
+        A = batch_advantages(rewards, args.eps, skipped)
         if check_groups(group_ids, "group_ids")[1] < 2:                     # no groups to describe
             return {"advantages": A, "group_ids": group_ids}
-    return {"advantages": A, "group_ids": group_ids, **group_stats(rewards, group_ids)}
+    return {"advantages": A, "group_ids": group_ids, **group_stats(rewards, group_ids, skipped)}
 
 
 def main(argv=None):
@@ -294,7 +307,8 @@ def main(argv=None):
     data, _, _ = files.load_tensors(args.rewards, files.REWARDS)
     if args.estimator == "gae":
         rollouts = load_gae_inputs(args.rewards, data, args.rollouts, args.kl_in_reward)
-        tensors = compute_advantages(data["rewards"], data["group_ids"], args, rollouts=rollouts)
+        tensors = compute_advantages(data["rewards"], data["group_ids"], args, rollouts=rollouts,
+                                     skipped=data.get("skipped"))
         files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
         mask = rollouts["completion_mask"]
         print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions "
@@ -307,7 +321,8 @@ def main(argv=None):
         group_rewards(data["rewards"], data["group_ids"], args.rewards)
     if args.length_strata > 1 and "lengths" not in data:
         raise StageError(f"{args.rewards}: --length-strata needs the 'lengths' key, which score.py writes")
-    tensors = compute_advantages(data["rewards"], data["group_ids"], args, data.get("lengths"))
+    tensors = compute_advantages(data["rewards"], data["group_ids"], args, data.get("lengths"),
+                                 skipped=data.get("skipped"))
     files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
     zero = tensors.get("zero_std", torch.zeros(0, dtype=torch.bool))                    # [B]
     frac = zero.float().mean().item() if zero.numel() else 0

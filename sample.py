@@ -200,8 +200,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
         b = row // G
         completion = tokenizer.decode(tensors["completion_ids"][row][tensors["completion_mask"][row]],
                                       skip_special_tokens=True)
-        fields = {k: v for k, v in records[b].items() if k not in ("group", "prompt", "completion")}
-        samples.append({"group": b, "prompt": texts[b], "completion": completion, **fields})
+        samples.append(modeling.sample_row(records[b], b, texts[b], completion))
     return tensors, samples
 
 
@@ -240,7 +239,8 @@ def dapo_dynamic_sampling(sample_round, first_slot, rounds, B, G, pad_id, perf):
     kept, last = [], None
     for r in range(rounds):
         last, sample_args, score_args = sample_round(first_slot + r)
-        informative = ~diagnostics.all_equal_groups(last["rewards"].double().reshape(B, G))    # [B]
+        informative = ~diagnostics.no_signal_groups(last["rewards"].double().reshape(B, G),
+                                                     ~last["skipped"].reshape(B, G))                # [B]
         kept += [(last, b) for b in range(B) if informative[b]]
         perf["charts/sample_rounds"] = r + 1
         if len(kept) >= B:

@@ -12,14 +12,18 @@ Example:
     python score.py --rollouts it0/rollouts.safetensors --samples it0/samples.jsonl \\
         --reward exact_answer my_rewards.py:brevity --reward-weights 1.0 0.1 --out it0/rewards.safetensors
 
-A --reward SPEC is a built-in rule reward (grpo/tasks.py), `module:function` or `file.py:function`
-with TRL's signature f(prompts, completions, **fields) -> list[float] (fields: every other column
-of samples.jsonl as a list, and completion_ids), or a folder holding a sequence-classification
-reward model with one output, which reads the prompt and the completion (as the assistant's turn
-after the record's "messages" when its tokenizer has a chat template).
+A --reward SPEC is a built-in rule reward (grpo/tasks.py, grpo/math_reward.py), `module:function`
+or `file.py:function` with TRL's signature f(prompts, completions, **fields) -> list[float | None]
+(fields: every other column of samples.jsonl as a list, and completion_ids), or a folder or Hub id
+holding a sequence-classification reward model with one output, which reads the prompt and the
+completion (a chat prompt and the answer as the assistant's turn, through its chat template).
 
-Every reward must be a finite number: None, NaN or ±inf is an error naming the rows, unless
---on-reward-error skip gives those rows their group's mean of the valid rows (`skipped` [N] bool).
+TRL's contract: a chat prompt's row passes `prompts` as its message list and `completions` as
+[{"role": "assistant", "content": text}]; a function may return None for a row it does not apply
+to, and a row's reward sums the rewards that apply (TRL's nansum). A row to which none applies is
+skipped (`skipped` [N] bool, reward 0): advantage.py gives it advantage 0 and leaves it out of its
+group's mean and std. NaN, ±inf or an exception is an error naming the rows, unless
+--on-reward-error skip skips those rows too.
 --overlong-buffer (DAPO) and --length-penalty add length terms, each with weight 1 and kept as a
 component. Under torchrun each rank scores a contiguous share of whole groups; rank 0 writes.
 """
@@ -53,8 +57,8 @@ def build_parser():
     p.add_argument("--on-reward-error", default="fail", choices=["fail", "skip"],
                    help="a reward that raises, returns the wrong length, or gives None/NaN/inf:\n"
                         "fail: stop with an error naming the reward and rows (default)\n"
-                        "skip: give those rows their group's mean of the valid rows, record them in\n"
-                        "'skipped', and warn")
+                        "skip: skip those rows (advantage 0, out of their group's statistics), record\n"
+                        "them in 'skipped', and warn")
     p.add_argument("--out", required=True, help="output rewards.safetensors")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model pass (default all)")
     add_runtime_flags(p)
@@ -78,9 +82,12 @@ def check_overlong(buffer, max_len):
         raise StageError(f"--overlong-buffer must be in 1..L_max={max_len}, got {buffer}")
 
 
-def call_reward(name, fn, prompts, completions, fields, group_ids, on_error="fail"):
-    """Run one reward function; returns (rewards [N], bad [N] bool). A failure is an error, or with
-    on_error="skip" its rows get the mean of the valid rows of their group (0 if none is valid)."""
+def call_reward(name, fn, prompts, completions, fields, on_error="fail"):
+    """Run one reward function; returns (rewards [N] with NaN where it does not apply, bad [N] bool).
+
+    None for a row means the reward does not apply to it (TRL's contract). Raising, a wrong length, or
+    NaN, ±inf or a non-number is an error, or with on_error="skip" marks the rows bad (all of them when
+    the function raised or gave the wrong length): score() skips bad rows."""
     n = len(prompts)
     problem, bad = None, torch.zeros(n, dtype=torch.bool)
     try:
@@ -93,36 +100,43 @@ def call_reward(name, fn, prompts, completions, fields, group_ids, on_error="fai
         if values is None or not hasattr(values, "__len__") or len(values) != n:
             got = ("None" if values is None else f"{len(values)} values" if hasattr(values, "__len__")
                    else type(values).__name__)
-            problem = f"returned {got}, expected a list of {n} floats (one per completion)"
+            problem = f"returned {got}, expected a list of {n} floats or None (one per completion)"
         else:
-            bad = torch.tensor([v is None or not isinstance(v, numbers.Real)
-                                or not math.isfinite(v) for v in values], dtype=torch.bool)
+            bad = torch.tensor([v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v))
+                                for v in values], dtype=torch.bool)
             if bad.any():
                 rows = files.format_rows(torch.nonzero(bad).flatten())
-                problem = f"returned None, NaN, infinite or non-numbers in rows {rows}"
-    if problem is None:
-        return torch.tensor([float(v) for v in values], dtype=torch.float32), bad               # [N]
-    if on_error == "fail":
-        raise StageError(f"reward {name!r} {problem} "
-                         f"(--on-reward-error skip gives such rows their group's mean)")
-    if not bad.any():
-        bad = torch.ones(n, dtype=torch.bool)
-    warn(f"score: reward {name!r} {problem}; {int(bad.sum())} rows skipped "
-         f"(their group's mean of the others)")
-    r = torch.tensor([0.0 if b else float(v) for v, b in zip(values or [0.0] * n, bad.tolist())],
-                     dtype=torch.float64)                                                      # [N]
-    for g in group_ids.unique():
-        rows = group_ids == g                                                                  # [N]
-        valid = rows & ~bad
-        r[rows & bad] = r[valid].mean() if valid.any() else 0.0
-    return r.float(), bad
+                problem = f"returned NaN, infinite or non-numbers in rows {rows}"
+    if problem is not None and on_error == "fail":
+        raise StageError(f"reward {name!r} {problem} (--on-reward-error skip leaves such rows out)")
+    if problem is not None:
+        bad = bad if bad.any() else torch.ones(n, dtype=torch.bool)
+        warn(f"score: reward {name!r} {problem}; {int(bad.sum())} rows skipped (advantage 0, left out of "
+             f"their group's mean and std)")
+    r = [math.nan if b or v is None else float(v) for v, b in zip(values or [None] * n, bad.tolist())]
+    return torch.tensor(r, dtype=torch.float32), bad                                         # [N]
+
+
+def trl_inputs(samples):
+    """prompts and completions as TRL passes them: strings, or for a chat prompt ("messages") the
+    message list and [{"role": "assistant", "content": completion}]."""
+    prompts, completions = [], []
+    for s in samples:
+        chat = s.get("messages")
+        conversational = isinstance(chat, list)
+        prompts.append(chat if conversational else s["prompt"])
+        completions.append([{"role": "assistant", "content": s["completion"]}] if conversational
+                           else s["completion"])
+    return prompts, completions
 
 
 def score(rollouts, samples, reward_fns, weights, on_error="fail"):
-    """Weighted sum of the rewards; returns (rewards [N], {name: component [N]}, skipped [N] bool)."""
+    """Weighted sum of the rewards that apply to each row (TRL's nansum); returns (rewards [N],
+    {name: component [N], NaN where it does not apply}, skipped [N] bool). A row to which no reward
+    applies, or with a bad reward under on_error="skip", is skipped: its reward is 0, and advantage.py
+    gives it advantage 0 and leaves it out of its group's statistics."""
     N = rollouts["group_ids"].shape[0]
-    prompts = [s["prompt"] for s in samples]
-    completions = [s["completion"] for s in samples]
+    prompts, completions = trl_inputs(samples)
     columns = sorted({k for s in samples for k in s} - {"prompt", "completion"})
     fields = {k: [s.get(k) for s in samples] for k in columns}
     if "completion_ids" in rollouts and "completion_mask" in rollouts:
@@ -130,21 +144,24 @@ def score(rollouts, samples, reward_fns, weights, on_error="fail"):
                                     zip(rollouts["completion_ids"], rollouts["completion_mask"])]
     components = {}
     total = torch.zeros(N)                                                                   # [N]
+    applies = torch.zeros(N, dtype=torch.bool)                                               # [N]
     skipped = torch.zeros(N, dtype=torch.bool)                                               # [N]
     for (name, fn), w in zip(reward_fns, weights):
         key = name
         while key in components:
             key += "_"
-        components[key], bad = call_reward(name, fn, prompts, completions, fields, rollouts["group_ids"],
-                                           on_error)
-        total += w * components[key]
+        components[key], bad = call_reward(name, fn, prompts, completions, fields, on_error)
+        applied = ~components[key].isnan()                                                   # [N]
+        total += torch.where(applied, w * components[key], 0.0)
+        applies |= applied
         skipped |= bad
-    return total, components, skipped
+    skipped |= ~applies
+    return torch.where(skipped, 0.0, total), components, skipped
 
 
 def score_sharded(rollouts, samples, reward_fns, weights, on_error="fail"):
-    """score() under torchrun: each rank scores a contiguous share of whole groups (so a skipped row's
-    group mean is its own group's) and every rank gets all rows back in order. One process: score()."""
+    """score() under torchrun: each rank scores a contiguous share of whole groups and every rank gets all
+    rows back in order. One process: score()."""
     rank, world = distributed.rank_and_world()
     _, group_index = torch.unique_consecutive(rollouts["group_ids"], return_inverse=True)           # [N]
     num_groups = int(group_index.max()) + 1 if len(samples) else 0
@@ -188,6 +205,7 @@ def write_rewards(path, rewards, group_ids, components, args, lengths=None, skip
         tensors["lengths"] = lengths
     if skipped is not None and skipped.any():
         tensors["skipped"] = skipped
+        tensors["rewards"] = torch.where(skipped, 0.0, rewards)              # the length terms too
     files.save_tensors(path, tensors, files.REWARDS[0], vars(args))
 
 
@@ -231,9 +249,11 @@ def main(argv=None):
     if not distributed.is_main():
         return
     write_rewards(args.out, rewards, rollouts["group_ids"], components, args, lengths, skipped)
-    parts = ", ".join(f"{k} {v.mean().item():.3f}" for k, v in components.items())
-    print(f"scored {len(samples)} completions: reward mean {rewards.mean().item():.4f} "
-          f"std {rewards.std().item() if len(samples) > 1 else 0.0:.4f} ({parts}); wrote {args.out}")
+    parts = ", ".join(f"{k} {v.nanmean().item():.3f}" for k, v in components.items())
+    kept = rewards[~skipped]                                                                # [n]
+    print(f"scored {len(samples)} completions: reward mean {kept.mean().item():.4f} "
+          f"std {kept.std().item() if len(kept) > 1 else 0.0:.4f} ({parts})"
+          f"{f', {int(skipped.sum())} skipped' if skipped.any() else ''}; wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -422,7 +422,8 @@ def main(argv=None):
         # Stage 3: group-relative advantages.
         paths = model_paths(models, policy_path, i)
         advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, paths, commands)
-        adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths, rollouts)
+        adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths, rollouts,
+                                           batch["skipped"])
         with timed(perf, "perf/io_s"):
             if main:
                 files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
@@ -452,8 +453,8 @@ def main(argv=None):
         if main and policy_path != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept
             checkpoints.write_replay(it_dir, i, commands)
         if main and i == 0 and cfg.algo == "grpo":
-            tqdm.write("\n".join(diagnostics.spread_report(diagnostics.reward_spread(rewards, cfg.group_size),
-                                                           cfg.group_size)))
+            spread = diagnostics.reward_spread(rewards, cfg.group_size, batch["skipped"])
+            tqdm.write("\n".join(diagnostics.spread_report(spread, cfg.group_size)))
         flags = diagnostics.collapse_flags(metrics, previous)
         metrics.update(flags, **held_out_metrics)
         if flags["diversity/collapse"]:

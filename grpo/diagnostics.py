@@ -15,6 +15,7 @@ all_equal_groups is the one definition of a group with no signal: advantage.py g
 exactly 0, and reward_spread counts them. Shapes: N = B·G rows, G per group, T completion length.
 """
 
+import math
 from collections import Counter
 
 import torch
@@ -36,17 +37,36 @@ COLLAPSE_DISTINCT_DROP = 0.3      # distinct-1 or distinct-2 falls by this share
 COLLAPSE_RISE = 0.25              # repeat_4gram or first_line_share rises by this much (absolute)
 
 
-def all_equal_groups(r):
-    """True for groups whose rewards are all equal up to float rounding. r [B, G] -> [B]"""
-    spread = r.max(-1).values - r.min(-1).values                            # [B]
-    return spread <= ZERO_SPREAD_RTOL * r.abs().max(-1).values
+def all_equal_groups(r, valid=None):
+    """True for groups whose rewards are all equal up to float rounding, counting only the `valid`
+    rows [B, G] when given (a group with none is all equal). r [B, G] -> [B]"""
+    if valid is None:
+        valid = torch.ones_like(r, dtype=torch.bool)
+    spread = r.masked_fill(~valid, -math.inf).max(-1).values - r.masked_fill(~valid, math.inf).min(-1).values
+    return spread <= ZERO_SPREAD_RTOL * r.abs().masked_fill(~valid, 0.0).max(-1).values     # [B]
 
 
-def reward_spread(rewards, group_size):
-    """Within-group reward std (Bessel) of each group, summarised. rewards [N] -> dict of floats."""
+def group_mean_std(r, valid):
+    """Each group's mean [B, 1] and Bessel-corrected std [B, 1] over its valid rows. r, valid [B, G]"""
+    n = valid.sum(-1, keepdim=True)                                         # [B, 1]
+    mean = torch.where(valid, r, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
+    var = torch.where(valid, (r - mean) ** 2, 0.0).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
+    return mean, var.sqrt()
+
+
+def no_signal_groups(r, valid):
+    """Groups whose advantages are exactly 0: all valid rewards equal, or fewer than 2 valid rows (rows
+    score.py skipped are not valid). r, valid [B, G] -> [B]"""
+    return all_equal_groups(r, valid) | (valid.sum(-1) < 2)
+
+
+def reward_spread(rewards, group_size, skipped=None):
+    """Within-group reward std (Bessel) of each group, over the rows not skipped, summarised.
+    rewards [N] -> dict of floats."""
     r = rewards.double().reshape(-1, group_size)                            # [B, G]
-    zero = all_equal_groups(r)                                              # [B]
-    std = r.std(-1) if group_size > 1 else torch.zeros(r.shape[0], dtype=r.dtype)   # [B]
+    valid = torch.ones_like(r, dtype=torch.bool) if skipped is None else ~skipped.reshape(r.shape)
+    zero = no_signal_groups(r, valid) if group_size > 1 else all_equal_groups(r)   # [B]
+    std = group_mean_std(r, valid)[1][:, 0]                                 # [B]
     q = torch.quantile(std, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=std.dtype)).tolist()
     return {"frac_zero_std": zero.double().mean().item(), "std_min": q[0], "std_q25": q[1],
             "std_median": q[2], "std_q75": q[3], "std_max": q[4], "std_mean": std.mean().item(),
@@ -56,11 +76,12 @@ def reward_spread(rewards, group_size):
 def iteration_metrics(rollouts, rewards, components, skipped, completions, group_size):
     """The charts/, diag/ and diversity/ numbers of one iteration's batch (README: Metrics)."""
     lengths = rollouts["completion_mask"].sum(-1)                           # [N]
-    spread = reward_spread(rewards, group_size)
+    spread = reward_spread(rewards, group_size, skipped)
     lengths_vs_reward = length_stats(lengths, rewards, group_size)
+    kept = rewards[~skipped]                                                # [n] rows with a reward
     return {
-        "charts/reward_mean": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
-        **{f"charts/reward/{k}": v.mean().item() for k, v in components.items()},
+        "charts/reward_mean": kept.mean().item(), "charts/reward_std": kept.std().item(),
+        **{f"charts/reward/{k}": v.nanmean().item() for k, v in components.items()},
         "charts/frac_zero_std": spread["frac_zero_std"],
         "charts/completion_len": lengths.float().mean().item(),
         "charts/truncated_frac": rollouts["truncated"].float().mean().item(),

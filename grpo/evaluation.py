@@ -36,8 +36,7 @@ def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch
     is_eos = torch.isin(ids, torch.tensor(eos))                                             # [n, T]
     mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0          # up to and including the first EOS
     completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(records))]
-    rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b]}
-            for b, record in enumerate(records)]
+    rows = [modeling.sample_row(record, b, texts[b], completions[b]) for b, record in enumerate(records)]
     rollouts = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
     return texts, completions, score(rows, rollouts), mask.sum(-1).float()
 

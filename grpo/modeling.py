@@ -100,6 +100,23 @@ def eos_token_ids(tokenizer, model):
 # ----------------------------------------------------------------------------------------
 # Prompts to token ids
 
+def chat_of(record):
+    """A prompt record's chat turns ("messages", or "prompt" as a list), or None for a string prompt."""
+    if "messages" in record:
+        return record["messages"]
+    return record["prompt"] if isinstance(record.get("prompt"), list) else None
+
+
+def sample_row(record, group, text, completion):
+    """One row of samples.jsonl: the group, the text the model saw, the completion, every other field of
+    the record, and a chat prompt's turns as "messages" in either style (score.py passes them to reward
+    functions as TRL's conversational `prompts`)."""
+    chat = chat_of(record)
+    fields = {k: v for k, v in record.items() if k not in ("group", "prompt", "completion", "messages")}
+    return {"group": group, "prompt": text, "completion": completion, **fields,
+            **({"messages": chat} if chat is not None else {})}
+
+
 def render_prompts(records, tokenizer, path, max_len, first_index=0):
     """The text the model sees and its token ids, one per prompt record.
 
@@ -110,10 +127,9 @@ def render_prompts(records, tokenizer, path, max_len, first_index=0):
     texts, ids = [], []
     for i, record in enumerate(records, first_index):
         where = f"{path}, record {i}"
-        chat_key = "prompt" if isinstance(record.get("prompt"), list) else None
-        key = "messages" if "messages" in record else chat_key
-        if key:
-            chat = record[key]
+        chat = chat_of(record)
+        key = "messages" if "messages" in record else "prompt"
+        if chat is not None:
             if not (isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(
                     m.get("role"), str) and isinstance(m.get("content"), str) for m in chat)):
                 raise StageError(f"{where}: '{key}' must be a non-empty list of "

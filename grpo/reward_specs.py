@@ -2,10 +2,12 @@
 
 Every one has TRL's signature
 
-    reward(prompts: list[str], completions: list[str], **fields) -> list[float]
+    reward(prompts: list, completions: list, **fields) -> list[float | None]
 
-where `fields` holds every other column of samples.jsonl (for example `answer`) and
-`completion_ids`, one value per row. A SPEC is a built-in rule reward (grpo/tasks.py),
+where a row's prompt and completion are strings, or for a chat prompt its message list and
+[{"role": "assistant", "content": text}] (TRL's conversational format); `fields` holds every
+other column of samples.jsonl (for example `answer`) and `completion_ids`, one value per row;
+None says that the reward does not apply to the row. A SPEC is a built-in rule reward (grpo/tasks.py),
 `module:function` or `path/file.py:function` (the user's code, imported only when named), or a
 folder holding a Hugging Face sequence-classification reward model with one output.
 """
@@ -71,13 +73,13 @@ def reward_model_function(path, device, micro_batch_size, trust_remote_code=Fals
         model.config.pad_token_id = tokenizer.pad_token_id
 
     @torch.inference_mode()
-    def reward_model(prompts, completions, messages=None, **fields):
+    def reward_model(prompts, completions, **fields):
         texts = []
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-            chat = messages[i] if messages is not None else None
-            if chat is not None and tokenizer.chat_template is not None:
-                texts.append(tokenizer.apply_chat_template(
-                    chat + [{"role": "assistant", "content": completion}], tokenize=False))
+        for prompt, completion in zip(prompts, completions):
+            if isinstance(completion, list) and tokenizer.chat_template is not None:   # TRL's conversational rows
+                texts.append(tokenizer.apply_chat_template(prompt + completion, tokenize=False))
+            elif isinstance(completion, list):
+                texts.append("\n\n".join(m["content"] for m in prompt + completion))
             else:
                 texts.append(prompt + completion)
         scores = []

@@ -3,9 +3,10 @@
 A rule reward has the signature of TRL's reward functions, so that score.py calls built-in and
 user rewards the same way:
 
-    reward(prompts: list[str], completions: list[str], **fields) -> list[float]
+    reward(prompts: list, completions: list, **fields) -> list[float | None]
 
-where `fields` holds every other column of samples.jsonl (for example `answer`), one value per row.
+where `fields` holds every other column of samples.jsonl (for example `answer`), one value per row,
+and a completion is a string or, for a chat prompt, TRL's [{"role": "assistant", "content": text}].
 
 Rewards read text a model wrote, so they never evaluate it: numbers are found with a linear-time
 regular expression and compared as canonical strings, never parsed as code or converted to a
@@ -51,9 +52,14 @@ def last_number(text):
     return canonical_number(last.group()) if last else None
 
 
+def completion_text(completion):
+    """The text of a completion: the string itself, or the content of TRL's conversational form."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def exact_answer(prompts, completions, answer, **fields):
     """1.0 when the last number in the completion equals the record's `answer`, else 0.0."""
-    return [float(a is not None and last_number(c) == canonical_number(a))
+    return [float(a is not None and last_number(completion_text(c)) == canonical_number(a))
             for c, a in zip(completions, answer)]
 
 
@@ -62,7 +68,8 @@ CHAR_CLASSES = {"digits": string.digits, "lower": string.ascii_lowercase, "upper
 
 def char_class(prompts, completions, char_class, **fields):
     """Share of the completion's characters that belong to the record's `char_class` (0 if empty)."""
-    return [sum(ch in CHAR_CLASSES[k] for ch in c) / max(len(c), 1) for c, k in zip(completions, char_class)]
+    texts = [completion_text(c) for c in completions]
+    return [sum(ch in CHAR_CLASSES[k] for ch in t) / max(len(t), 1) for t, k in zip(texts, char_class)]
 
 
 # Built-in rewards by the name score.py's --reward takes.

@@ -2,4 +2,5 @@
 
 
 def char_count(prompts, completions, **fields):
-    return [float(len(c)) for c in completions]
+    # A chat prompt's completion comes as TRL's [{"role": "assistant", "content": text}].
+    return [float(len(c if isinstance(c, str) else c[0]["content"])) for c in completions]

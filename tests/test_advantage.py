@@ -167,3 +167,53 @@ def test_file_metadata_holds_schema_and_args(tmp_path):
     _, args, dims = files.load_tensors(str(out), files.ADVANTAGES)
     assert args["estimator"] == "grpo" and args["eps"] == 1e-4
     assert dims["N"] == 12
+
+
+# Rows score.py skipped (no reward applied to them) carry reward 0 in the file and `skipped` true.
+SKIP_REWARDS = [1.0, 0.0, 0.0, 3.0, 0.0, 7.0, 7.0, 7.0, 2.0, 4.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0]
+SKIPPED = [False, False, True, False, True, False, False, False, False, False, True, True,
+           False, True, True, True]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_skipped_rows_get_zero_and_stay_out_of_the_group_statistics(tmp_path, estimator):
+    """Group 0 has the valid rewards 1, 0, 3 (mean 4/3, Bessel std sqrt(7/3)); group 1's valid rows are
+    all 7 (no signal); group 2 has 2, 4 (mean 3, std sqrt 2); group 3 has one valid row (no signal)."""
+    path = write_rewards(tmp_path / "r.safetensors", SKIP_REWARDS, [g for g in range(4) for _ in range(4)],
+                         skipped=torch.tensor(SKIPPED))
+    assert cli("advantage.py", "--rewards", path, "--out", tmp_path / "a.safetensors",
+               "--estimator", estimator).code == 0
+    got = load_file(tmp_path / "a.safetensors")
+    eps = 1e-4
+    s0, s2 = math.sqrt(7 / 3), math.sqrt(2)
+    expected = {
+        "grpo": [(1 - 4 / 3) / (s0 + eps), (0 - 4 / 3) / (s0 + eps), 0, (3 - 4 / 3) / (s0 + eps), 0, 0, 0, 0,
+                 -1 / (s2 + eps), 1 / (s2 + eps), 0, 0, 0, 0, 0, 0],
+        "dr_grpo": [1 - 4 / 3, -4 / 3, 0, 3 - 4 / 3, 0, 0, 0, 0, -1, 1, 0, 0, 0, 0, 0, 0],
+        # leave-one-out over the valid rows: row 0's baseline is (0 + 3)/2
+        "rloo": [1 - 1.5, 0 - 2.0, 0, 3 - 0.5, 0, 0, 0, 0, -2, 2, 0, 0, 0, 0, 0, 0],
+    }[estimator]
+    torch.testing.assert_close(got["advantages"], torch.tensor(expected), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got["group_mean"], torch.tensor([4 / 3, 7, 3, 9]))
+    torch.testing.assert_close(got["group_std"], torch.tensor([s0, 0, s2, 0]))
+    assert got["zero_std"].tolist() == [False, True, False, True]
+
+
+def test_skipped_rows_stay_out_of_batch_statistics():
+    rewards, skipped = torch.tensor([1.0, 100.0, 3.0, 5.0]), torch.tensor([False, True, False, False])
+    A = advantage.batch_advantages(rewards, eps=0.0, skipped=skipped)
+    torch.testing.assert_close(A, torch.tensor([-1.0, 0.0, 0.0, 1.0]))     # mean 3, std 2 over 1, 3, 5
+    A = advantage.grpo_advantages(torch.tensor([1.0, 100.0, 3.0, 5.0, 0.0, 4.0, 0.0, 0.0]),
+                                  torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), eps=0.0, scale="batch",
+                                  skipped=torch.tensor([False, True, False, False, False, False, True, True]))
+    # --scale batch: the valid rewards 1, 3, 5, 0, 4 have mean 2.6 and Bessel std sqrt(17.2 / 4)
+    torch.testing.assert_close(A, torch.tensor([-2.0, 0, 0, 2, -2, 2, 0, 0]) / math.sqrt(4.3))
+
+
+def test_skipped_rows_take_no_part_in_gae():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    values = torch.tensor([[0.5, 0.5, 0.5], [0.2, 0.3, 0.4]])
+    A, R = advantage.gae_advantages(torch.tensor([1.0, 0.0]), values, mask, 1.0, 1.0, whiten=False,
+                                    skipped=torch.tensor([False, True]))
+    torch.testing.assert_close(A, torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(R, torch.tensor([[1.0, 1.0, 1.0], [0.2, 0.3, 0.4]]))     # R = V there

@@ -167,22 +167,26 @@ def test_length_penalty_hand_vector(tmp_path):
 
 
 def test_reward_errors_can_be_skipped(rollout_dir, tmp_path, monkeypatch):
+    """None: the reward does not apply; NaN or an exception under --on-reward-error skip: the row is
+    skipped whatever the other rewards say. A skipped row's reward is 0 and its component NaN."""
     (tmp_path / "flaky_mod.py").write_text(
-        "def holes(prompts, completions, **k):\n    return [None if i in (2, 13) else float(i) for i in range(len(completions))]\n"
+        "def holes(prompts, completions, **k):\n"
+        "    return [None if i in (2, 13) else float('nan') if i == 5 else float(i) for i in range(len(completions))]\n"
         "def boom(prompts, completions, **k):\n    raise RuntimeError('parser crashed')\n")
     monkeypatch.chdir(tmp_path)
     base = ["--rollouts", rollout_dir / "rollouts.safetensors", "--samples", rollout_dir / "samples.jsonl",
             "--out", tmp_path / "r.safetensors", "--on-reward-error", "skip"]
     r = cli("score.py", *base, "--reward", "flaky_mod:holes")
     assert r.code == 0, r.err
-    assert "holes" in r.err and "rows 2, 13" in r.err
+    assert "holes" in r.err and "rows 5" in r.err
     got = load_file(tmp_path / "r.safetensors")
     expected = torch.arange(16.0)
-    expected[2] = (0 + 1 + 3) / 3                              # the mean of its group's valid rows
-    expected[13] = (12 + 14 + 15) / 3
+    expected[[2, 5, 13]] = 0.0
     torch.testing.assert_close(got["rewards"], expected)
-    assert torch.nonzero(got["skipped"]).flatten().tolist() == [2, 13]
+    assert torch.nonzero(got["skipped"]).flatten().tolist() == [2, 5, 13]
+    assert torch.nonzero(got["reward/holes"].isnan()).flatten().tolist() == [2, 5, 13]
     r = cli("score.py", *base, "--reward", "flaky_mod:boom", "exact_answer")
     assert r.code == 0, r.err
     got = load_file(tmp_path / "r.safetensors")
-    assert torch.equal(got["reward/boom"], torch.zeros(16)) and bool(got["skipped"].all())
+    assert bool(got["reward/boom"].isnan().all()) and bool(got["skipped"].all())
+    assert torch.equal(got["rewards"], torch.zeros(16))

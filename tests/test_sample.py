@@ -164,3 +164,8 @@ def test_prompt_as_a_list_of_chat_turns_is_rendered_like_messages(models):
     as_messages = modeling.render_prompts([{"messages": chat}], tok, "p", None)
     as_prompt = modeling.render_prompts([{"prompt": chat}], tok, "p", None)
     assert as_messages == as_prompt and as_prompt[0][0] != "9+1?"
+    # samples.jsonl keeps the text the model saw as "prompt" and the turns as "messages" in either style.
+    row = modeling.sample_row({"prompt": chat, "answer": "10"}, 0, as_prompt[0][0], "ten")
+    assert row == {"group": 0, "prompt": as_prompt[0][0], "completion": "ten", "answer": "10", "messages": chat}
+    assert modeling.sample_row({"prompt": "1+1=", "answer": "2"}, 1, "1+1=", "2") == {
+        "group": 1, "prompt": "1+1=", "completion": "2", "answer": "2"}

@@ -1,10 +1,11 @@
 """score.py and the built-in rule reward: exact answers, user functions, a reward model, weights, errors."""
 
 import json
+import os
 
 import pytest
 import torch
-from conftest import assert_user_error, cli
+from conftest import assert_user_error, cli, write_jsonl
 from safetensors.torch import load_file
 
 from grpo import builders, checkpoints, tasks
@@ -98,7 +99,6 @@ def test_reward_errors(rollout_dir, tmp_path, monkeypatch):
     (tmp_path / "bad_rewards_mod.py").write_text(
         "def boom(prompts, completions, **k):\n    raise ValueError('cannot parse')\n"
         "def short(prompts, completions, **k):\n    return [1.0]\n"
-        "def nones(prompts, completions, **k):\n    return [None if i == 2 else 1.0 for i in range(len(completions))]\n"
         "def nans(prompts, completions, **k):\n    return [float('nan') if i in (1, 7) else 1.0 for i in range(len(completions))]\n")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "rewards.safetensors"
@@ -106,7 +106,6 @@ def test_reward_errors(rollout_dir, tmp_path, monkeypatch):
     assert_user_error(cli("score.py", *base, "--reward", "no_such_reward"), "no_such_reward", "unknown reward")
     assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:boom"), "boom", "ValueError", "cannot parse")
     assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:short"), "short", "1 values", "16")
-    assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:nones"), "nones", "rows 2")
     assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:nans"), "nans", "rows 1, 7")
     assert_user_error(cli("score.py", *base, "--reward", "bad_rewards_mod:missing"), "no function 'missing'")
     assert_user_error(cli("score.py", *base, "--reward", "nofile.py:f"), "nofile.py")
@@ -129,3 +128,60 @@ def test_minimal_hand_written_rollouts(rollout_dir, tmp_path):
             "--reward", "exact_answer", "--out", out)
     assert r.code == 0, r.err
     assert load_file(out)["rewards"].shape == (16,)
+
+
+def test_trl_reward_functions_on_conversational_rows(tmp_path, monkeypatch):
+    """TRL's documented accuracy and format rewards (tests/rewards_for_tests.py) on chat rows written by
+    hand: completions come as [{"role": "assistant", ...}], the weighted sum uses the rewards that apply
+    (TRL's nansum), and a row to which none applies is skipped."""
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(__file__)))
+    from safetensors.torch import save_file
+
+    rollouts = tmp_path / "rollouts.safetensors"
+    save_file({"group_ids": torch.arange(2).repeat_interleave(4)}, str(rollouts))
+    chat = [{"role": "user", "content": "What is 5 + 7?"}]
+    solutions = ["The answer is 12", "(no number)"]
+    completions = ["12.", "13", "x", "It is 12", "5.", "a", "7.", "b"]
+    write_jsonl(tmp_path / "samples.jsonl", [
+        {"group": i // 4, "prompt": "user: What is 5 + 7?\n", "completion": c, "messages": chat,
+         "solution": solutions[i // 4]} for i, c in enumerate(completions)])
+    out = tmp_path / "rewards.safetensors"
+    base = ["--rollouts", rollouts, "--samples", tmp_path / "samples.jsonl", "--out", out]
+    r = cli("score.py", *base, "--reward", "tests.rewards_for_tests:accuracy_reward",
+            "tests.rewards_for_tests:format_reward", "--reward-weights", 1.0, 0.5)
+    assert r.code == 0, r.err
+    got = load_file(out)
+    nan = float("nan")
+    torch.testing.assert_close(got["reward/accuracy_reward"], torch.tensor([1.0, 0, 0, 1] + [nan] * 4),
+                               equal_nan=True)
+    assert got["reward/format_reward"].tolist() == [1, 0, 0, 0, 1, 0, 1, 0]
+    assert got["rewards"].tolist() == [1.5, 0, 0, 1, 0.5, 0, 0.5, 0]
+    assert "skipped" not in got
+    r = cli("score.py", *base, "--reward", "tests.rewards_for_tests:accuracy_reward")
+    assert r.code == 0, r.err
+    got = load_file(out)
+    assert got["skipped"].tolist() == [False] * 4 + [True] * 4
+    assert got["rewards"].tolist() == [1, 0, 0, 1, 0, 0, 0, 0]
+    assert cli("advantage.py", "--rewards", out, "--out", tmp_path / "a.safetensors").code == 0
+    A = load_file(tmp_path / "a.safetensors")["advantages"]
+    assert A[4:].tolist() == [0.0] * 4 and A[:4].sum().abs() < 1e-6 and A[0] > 0 > A[1]
+
+
+def test_chat_rows_reach_rewards_as_trl_passes_them(rollout_dir, tmp_path, monkeypatch):
+    """In rollout_dir, group 2's record is a chat ("messages"); the others are strings."""
+    (tmp_path / "shapes_mod.py").write_text(
+        "def shapes(prompts, completions, messages=None, **k):\n"
+        "    out = []\n"
+        "    for p, c, m in zip(prompts, completions, messages):\n"
+        "        if isinstance(c, str):\n"
+        "            out.append(0.0 if isinstance(p, str) and m is None else -1.0)\n"
+        "        else:\n"
+        "            ok = p == m and len(c) == 1 and c[0]['role'] == 'assistant' and isinstance(c[0]['content'], str)\n"
+        "            out.append(1.0 if ok else -1.0)\n"
+        "    return out\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.safetensors"
+    r = cli("score.py", "--rollouts", rollout_dir / "rollouts.safetensors", "--samples",
+            rollout_dir / "samples.jsonl", "--reward", "shapes_mod:shapes", "--out", out)
+    assert r.code == 0, r.err
+    assert load_file(out)["rewards"].tolist() == [0.0] * 8 + [1.0] * 4 + [0.0] * 4
