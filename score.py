@@ -33,7 +33,7 @@ import numbers
 
 import torch
 
-from grpo import distributed, files, reward_specs, tasks
+from grpo import distributed, files, reward_specs
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn
 
 
@@ -42,7 +42,7 @@ def build_parser():
     p.add_argument("--rollouts", required=True, help="rollouts.safetensors from sample.py")
     p.add_argument("--samples", required=True, help="samples.jsonl from sample.py")
     p.add_argument("--reward", required=True, nargs="+", action="extend", metavar="SPEC",
-                   help=f"r: reward function(s): a built-in name ({', '.join(tasks.REWARDS)}), "
+                   help=f"r: reward function(s): a built-in name ({', '.join(reward_specs.BUILT_IN)}), "
                         "module:function,\npath/file.py:function, or a reward-model folder")
     p.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
                    help="w_k: one weight per --reward; r = Σ_k w_k r_k (default: all 1.0)")

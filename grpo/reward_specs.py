@@ -7,9 +7,11 @@ Every one has TRL's signature
 where a row's prompt and completion are strings, or for a chat prompt its message list and
 [{"role": "assistant", "content": text}] (TRL's conversational format); `fields` holds every
 other column of samples.jsonl (for example `answer`) and `completion_ids`, one value per row;
-None says that the reward does not apply to the row. A SPEC is a built-in rule reward (grpo/tasks.py),
+None says that the reward does not apply to the row.
+
+A SPEC is a built-in reward (the rule rewards of grpo/tasks.py, and `math` of grpo/math_reward.py),
 `module:function` or `path/file.py:function` (the user's code, imported only when named), or a
-folder holding a Hugging Face sequence-classification reward model with one output.
+folder or Hub id holding a Hugging Face sequence-classification reward model with one output.
 """
 
 import importlib
@@ -19,21 +21,24 @@ import sys
 
 import torch
 
-from grpo import distributed, modeling, tasks
+from grpo import distributed, math_reward, modeling, tasks
 from grpo.cli import StageError
+
+# Built-in rewards by the name --reward takes: the rule rewards of the built-in tasks, and `math`.
+BUILT_IN = {**tasks.REWARDS, "math": math_reward.math}
 
 
 def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
     """Resolve a --reward SPEC to (name, function with the TRL reward signature)."""
-    if spec in tasks.REWARDS:
-        return spec, tasks.REWARDS[spec]
+    if spec in BUILT_IN:
+        return spec, BUILT_IN[spec]
     if ":" in spec:
         return load_user_function(spec)
     if os.path.isdir(spec):
         name = os.path.basename(os.path.normpath(spec))
         return name, reward_model_function(spec, device, micro_batch_size, trust_remote_code)
     raise StageError(f"--reward {spec!r}: unknown reward; expected a built-in name "
-                     f"({', '.join(tasks.REWARDS)}), module:function, path/file.py:function, "
+                     f"({', '.join(BUILT_IN)}), module:function, path/file.py:function, "
                      f"or a reward-model folder")
 
 

@@ -16,6 +16,8 @@ from grpo import builders, checkpoints, tasks
     ("2 + 3 = 5", "5", 1.0),                 # the last number counts
     ("5, no wait, 6", "5", 0.0),
     ("It is 05.0", "5", 1.0),                # canonical comparison, not string equality
+    ("The total is 1,234.", "1234", 1.0),    # thousands separators
+    ("1,2,3", "3", 1.0),                     # a list is not one number
     ("-3", "-3", 1.0),
     ("3", "-3", 0.0),
     ("no number here", "5", 0.0),
