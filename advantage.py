@@ -21,7 +21,7 @@ Conventions (FORMATS.md):
   [B, G] and normalised along G only, never over the batch.
 - std is Bessel-corrected (divides by G − 1, torch.std's default), so G = 1 is an error.
 - A group whose rewards are all equal carries no signal and gets exactly 0, decided explicitly
-  by diagnostics.no_signal_groups (all_equal_groups): a spread max − min of at most 4 float32 ulps of max|r|, so
+  by diagnostics.no_signal_groups: a spread max − min of at most 4 float32 ulps of max|r|, so
   float32 residue (0.1 + 0.2 vs 0.3) does not turn into ±0.7 advantages, while rewards 1e6 and
   1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
 - Arithmetic is in float64; the file holds float32.
@@ -251,7 +251,8 @@ def group_stats(rewards, group_ids, skipped=None):
     [B] bool (no signal: all-equal rewards, or fewer than 2 rows)."""
     r, valid = group_rewards(rewards, group_ids, skipped=skipped)            # [B, G]
     mean, std = group_mean_std(r, valid)                                    # [B, 1]
-    return {"group_mean": mean[:, 0].float(), "group_std": std[:, 0].float(), "zero_std": no_signal_groups(r, valid)}
+    return {"group_mean": mean[:, 0].float(), "group_std": std[:, 0].float(),
+            "zero_std": no_signal_groups(r, valid)}
 
 
 def length_strata(group_ids, lengths, strata, path="rewards"):

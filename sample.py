@@ -43,7 +43,7 @@ from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
 
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="policy π_old (π_θ before this update): HF folder")
+    p.add_argument("--model", required=True, help="policy π_old (π_θ before this update): folder or Hub id")
     p.add_argument("--prompts", required=True, help="JSON-lines prompts ('prompt' or 'messages' per record)")
     p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
     p.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
@@ -52,7 +52,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit (128)")
     p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--ref-model", default=None, help="π_ref: frozen reference model folder, for ref_logprobs")
+    p.add_argument("--ref-model", default=None, help="π_ref: the frozen reference model's folder or Hub id")
     p.add_argument("--critic", default=None,
                    help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")

@@ -43,7 +43,7 @@ def build_parser():
     p.add_argument("--samples", required=True, help="samples.jsonl from sample.py")
     p.add_argument("--reward", required=True, nargs="+", action="extend", metavar="SPEC",
                    help=f"r: reward function(s): a built-in name ({', '.join(reward_specs.BUILT_IN)}), "
-                        "module:function,\npath/file.py:function, or a reward-model folder")
+                        "module:function,\npath/file.py:function, or a reward-model folder or Hub id")
     p.add_argument("--reward-weights", type=float, nargs="+", default=None, metavar="W",
                    help="w_k: one weight per --reward; r = Σ_k w_k r_k (default: all 1.0)")
     p.add_argument("--overlong-buffer", type=int, default=0, metavar="L",

@@ -53,7 +53,8 @@ def knob(default, help, item=str):
 @dataclass
 class Config:
     algo: str = knob("grpo", "grpo, or ppo: a critic V and GAE advantages (estimator gae) in the same stages")
-    model: str = knob("", "the policy: an HF folder; '' = SmolLM2-135M-Instruct, 'tiny' = built here")
+    model: str = knob("", "the policy: a folder or Hub id org/name[@rev]; '' = SmolLM2-135M-Instruct, "
+                          "'tiny' = built here")
     task: str = knob("arithmetic", f"built-in task: {', '.join(tasks.TASKS)}")
     prompts: str = knob("", "JSON-lines prompt file for training, in place of the task's records")
     eval_prompts_file: str = knob("", "JSON-lines held-out prompts, in place of the task's")
@@ -86,7 +87,7 @@ class Config:
     scale: str = knob("group", "grpo's std: group, batch or none (TRL's scale_rewards)")
     eps: float = knob(1e-4, "ε in std + ε")
     length_strata: int = knob(1, "S: length strata per group")
-    critic_init: str = knob("", "PPO: the critic's transformer (an HF folder); '' = the initial policy's")
+    critic_init: str = knob("", "PPO: the critic's transformer (folder or Hub id); '' = the initial policy's")
     gamma: float = knob(1.0, "γ: GAE discount (PPO)")
     lam: float = knob(0.95, "λ: GAE trade-off (PPO)")
     kl_in_reward: float = knob(0.0, "β_r: per-token −β_r·k1 in GAE's rewards (PPO)")

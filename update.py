@@ -59,7 +59,7 @@ from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, war
 
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder)")
+    p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder or Hub id)")
     p.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
     p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
     p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
@@ -462,14 +462,14 @@ def main(argv=None):
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     policy = modeling.load_model(args.model, device, args.trust_remote_code)
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
-    state_file = os.path.join(args.model, "optimizer.safetensors")
+    state_file = os.path.join(modeling.model_dir(args.model), "optimizer.safetensors")
     resume = os.path.isfile(state_file) and not args.fresh_optimizer
     optimizer = checkpoints.adamw(policy, args.lr, args.weight_decay, state_file if resume else None)
     critic = None
     if args.critic:
         critic_model = modeling.load_critic(args.critic, device, args.trust_remote_code)
         critic_model = distributed.distribute(critic_model, args.fsdp)
-        state_file = os.path.join(args.critic, "optimizer.safetensors")
+        state_file = os.path.join(modeling.model_dir(args.critic), "optimizer.safetensors")
         resume = os.path.isfile(state_file) and not args.fresh_optimizer
         critic = Critic(critic_model, checkpoints.adamw(critic_model, args.critic_lr, args.weight_decay,
                                                         state_file if resume else None))

@@ -18,9 +18,11 @@ from grpo.cli import StageError
 
 def base_model_dir(name, run_dir, seed=0):
     """The folder of train.py's --model: SmolLM2-135M-Instruct for "", a tiny Llama built once in
-    RUN/base_model for "tiny", else `name` itself."""
+    RUN/base_model for "tiny", else `name` itself, or a Hub id's folder in the Hugging Face cache."""
+    from grpo import modeling
+
     if name != "tiny":
-        return default_model_dir() if name == "" else name
+        return default_model_dir() if name == "" else modeling.model_dir(name)
     path = os.path.join(run_dir, "base_model")
     if distributed.is_main() and not os.path.isfile(os.path.join(path, "config.json")):
         make_tiny_llama(path, seed=seed)

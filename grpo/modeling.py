@@ -1,4 +1,4 @@
-"""Models and tokenizers from local folders, EOS ids, prompts to token ids, per-token log-probs.
+"""Models and tokenizers from local folders or Hub ids, EOS ids, prompts to token ids, per-token log-probs.
 
 `completion_logprobs` is the one definition of a completion token's log-prob: sample.py applies
 it to the reference model, update.py to the policy it trains, and the sampler takes log π_old from
@@ -6,6 +6,7 @@ the same `logprobs_from_logits`, so π_old, π_ref and π_θ are computed the sa
 """
 
 import os
+import re
 
 import torch
 
@@ -14,11 +15,40 @@ from grpo.distributed import row_slices
 from grpo import files
 
 
+# A Hugging Face Hub id, org/name, optionally @revision (a branch, tag or commit).
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")
+# What a Hub download fetches: configs, tokenizer files and safetensors weights, never pickles.
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def model_dir(spec):
+    """The local folder of a model argument: a folder as it is; a Hub id org/name[@revision] resolved
+    through huggingface_hub's cache (HF_HOME), downloaded if need be, read from the cache alone with
+    HF_HUB_OFFLINE=1 (or when the Hub cannot be reached)."""
+    if os.path.isdir(spec) or not HUB_ID.fullmatch(spec):
+        return spec
+    from huggingface_hub import constants, snapshot_download, try_to_load_from_cache
+
+    repo, _, revision = spec.partition("@")
+    cached = try_to_load_from_cache(repo, "config.json", revision=revision or None)
+    if isinstance(cached, str) and constants.HF_HUB_OFFLINE:
+        return os.path.dirname(cached)
+    try:
+        return snapshot_download(repo, revision=revision or None, allow_patterns=MODEL_FILES)
+    except Exception as e:  # no network, no such repo or revision, a gated repo: say which and why
+        if isinstance(cached, str):
+            return os.path.dirname(cached)
+        offline = " (HF_HUB_OFFLINE=1: only the cache is read)" if constants.HF_HUB_OFFLINE else ""
+        raise StageError(f"{spec}: no such folder, and not found as a Hub id in {constants.HF_HUB_CACHE}"
+                         f"{offline}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
 def load_tokenizer(path, trust_remote_code=False):
-    """Tokenizer from a local folder, left-padding; a missing pad token falls back to EOS (or UNK)."""
+    """Tokenizer from a local folder or Hub id, left-padding; a missing pad token falls back to EOS
+    (or UNK)."""
     from transformers import AutoTokenizer
 
-    _check_model_dir(path)
+    path = _check_model_dir(path)
     quiet_transformers()
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -34,14 +64,15 @@ def load_tokenizer(path, trust_remote_code=False):
 
 
 def load_model(path, device, trust_remote_code=False, auto_class=None, **kwargs):
-    """A causal LM from a local folder, float32, in eval mode (no dropout: ratios must be 1 on-policy).
+    """A causal LM from a local folder or Hub id, float32, in eval mode (no dropout: ratios must be 1
+    on-policy).
 
     Only safetensors weights are read: a folder with nothing but pytorch_model.bin (a pickle, which
     can run code when loaded) is refused. A model's own Python code runs only with trust_remote_code.
     """
     from transformers import AutoModelForCausalLM
 
-    _check_model_dir(path)
+    path = _check_model_dir(path)
     quiet_transformers()
     try:
         model = (auto_class or AutoModelForCausalLM).from_pretrained(
@@ -57,7 +88,7 @@ def load_critic(path, device, trust_remote_code=False):
     LlamaForTokenClassification with num_labels = 1; builders.make_critic makes one from a policy)."""
     from transformers import AutoModelForTokenClassification
 
-    _check_model_dir(path)
+    path = _check_model_dir(path)
     config = files.read_json(os.path.join(path, "config.json"))
     architectures = config.get("architectures") or []
     if not (any(a.endswith("ForTokenClassification") for a in architectures)
@@ -76,12 +107,15 @@ def quiet_transformers():
     logging.set_verbosity_error()
 
 
-def _check_model_dir(path):
-    files.recover_dir(path)               # a checkpoint swap cut short by a kill
+def _check_model_dir(spec):
+    """The model's folder (model_dir), checked to be a Hugging Face model folder."""
+    files.recover_dir(spec)               # a checkpoint swap cut short by a kill
+    path = model_dir(spec)
     if not os.path.isdir(path):
         raise StageError(f"{path}: no such model folder")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise StageError(f"{path}: not a Hugging Face model folder (no config.json)")
+    return path
 
 
 def eos_token_ids(tokenizer, model):

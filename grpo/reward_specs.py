@@ -34,12 +34,12 @@ def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
         return spec, BUILT_IN[spec]
     if ":" in spec:
         return load_user_function(spec)
-    if os.path.isdir(spec):
-        name = os.path.basename(os.path.normpath(spec))
+    if os.path.isdir(spec) or modeling.HUB_ID.fullmatch(spec):
+        name = os.path.basename(os.path.normpath(spec.partition("@")[0]))
         return name, reward_model_function(spec, device, micro_batch_size, trust_remote_code)
     raise StageError(f"--reward {spec!r}: unknown reward; expected a built-in name "
                      f"({', '.join(BUILT_IN)}), module:function, path/file.py:function, "
-                     f"or a reward-model folder")
+                     f"or a reward-model folder or Hub id (org/name[@revision])")
 
 
 def load_user_function(spec):
@@ -81,7 +81,7 @@ def reward_model_function(path, device, micro_batch_size, trust_remote_code=Fals
     def reward_model(prompts, completions, **fields):
         texts = []
         for prompt, completion in zip(prompts, completions):
-            if isinstance(completion, list) and tokenizer.chat_template is not None:   # TRL's conversational rows
+            if isinstance(completion, list) and tokenizer.chat_template is not None:   # TRL's chat rows
                 texts.append(tokenizer.apply_chat_template(prompt + completion, tokenize=False))
             elif isinstance(completion, list):
                 texts.append("\n\n".join(m["content"] for m in prompt + completion))
