@@ -278,7 +278,8 @@ def start(cfg, run_dir, done):
     main, new = distributed.is_main(), not os.path.exists(run_dir)
     device = distributed.pick_device(cfg.device)
     try:
-        reward_fns = [reward_specs.load_reward(s, device, 0, cfg.trust_remote_code) for s in cfg.reward]
+        reward_fns = [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code)
+                      for s in cfg.reward]
         if main:
             os.makedirs(run_dir, exist_ok=True)
             files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg)})

@@ -154,3 +154,11 @@ def test_every_stage_bounds_its_forward_passes_by_micro_batch_size(models, rollo
     for hook in loaded:
         assert hook.sizes and max(hook.sizes) <= 5, hook.sizes
         assert sum(hook.sizes) >= 32                           # every row went through (in several passes)
+    # train.py: sampling, the reference, the reward model, held-out evaluation (12 prompts) and the update.
+    loaded.clear()
+    r = cli("train.py", "--config", "tiny", "--iterations", 1, "--micro-batch-size", 5, "--reward", rm,
+            "--beta", 0.01, "--run-dir", tmp_path / "run")
+    assert r.code == 0, r.err
+    assert len(loaded) >= 3                                    # policy, reference, reward model at least
+    for hook in loaded:
+        assert hook.sizes and max(hook.sizes) <= 5, hook.sizes
