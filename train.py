@@ -79,6 +79,7 @@ class Config:
     epochs: int = knob(1, "μ: passes over each batch")
     minibatch_size: int = knob(0, "completions per optimizer step; 0 = all")
     micro_batch_size: int = knob(0, "rows per forward pass of every stage; 0 = all")
+    gradient_checkpointing: bool = knob(False, "the update recomputes activations in the backward pass")
     max_bad_steps: int = knob(5, "non-finite steps the whole run may skip before it stops")
     max_grad_norm: float = knob(1.0, "gradient clipping (policy and critic)")
     weight_decay: float = knob(0.0, "AdamW weight decay")
@@ -120,7 +121,8 @@ CONFIGS = {
                   eval_prompts=200, save_every=50),
 }
 # What --resume may change: nothing that alters the iterations already done.
-RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp"}
+RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp",
+             "gradient_checkpointing"}
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
 
 

@@ -99,6 +99,9 @@ def build_parser():
     p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
     p.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each layer's activations in the backward pass instead of keeping them:\n"
+                        "less memory, about one more forward pass of time; the same numbers")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
@@ -345,47 +348,50 @@ def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, ret
     steps, skipped, on_policy = [], 0, None
     bar = tqdm(total=args.epochs * len(minibatches), desc="update", leave=False,
                disable=None if distributed.is_main() else True)
-    for _ in range(args.epochs):
-        order = torch.randperm(N, generator=generator)                                    # [N]
-        for minibatch in minibatches:
-            rows = order[minibatch]                                                         # [M]
-            num_tokens = max(int(loss_mask[rows].sum()), 1)
-            sums, maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            passes = distributed.micro_batches(rows, args.micro_batch_size)
-            for k, (idx, weight) in enumerate(passes):
-                batch = {key: v[idx].to(device) for key, v in rollouts.items()}
-                with distributed.grad_sync(policy, k == len(passes) - 1):
-                    loss, terms = micro_batch_loss(policy, batch, advantages[idx].to(device), len(rows),
-                                                   num_tokens, args)
-                    (loss * weight).backward()   # DDP and FSDP average over ranks; × world makes it a sum
+    models = [policy] + ([critic.model] if critic else [])
+    with modeling.gradient_checkpointing(models, args.gradient_checkpointing):
+        for _ in range(args.epochs):
+            order = torch.randperm(N, generator=generator)                                    # [N]
+            for minibatch in minibatches:
+                rows = order[minibatch]                                                         # [M]
+                num_tokens = max(int(loss_mask[rows].sum()), 1)
+                sums, maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+                passes = distributed.micro_batches(rows, args.micro_batch_size)
+                for k, (idx, weight) in enumerate(passes):
+                    batch = {key: v[idx].to(device) for key, v in rollouts.items()}
+                    with distributed.grad_sync(policy, k == len(passes) - 1):
+                        loss, terms = micro_batch_loss(policy, batch, advantages[idx].to(device), len(rows),
+                                                       num_tokens, args)
+                        (loss * weight).backward()   # DDP and FSDP average over ranks; × world makes it a sum
+                    if critic:
+                        with distributed.grad_sync(critic.model, k == len(passes) - 1):
+                            value_loss, value_terms = micro_batch_value_loss(critic.model, batch, len(rows),
+                                                                             num_tokens, args)
+                            (args.vf_coef * value_loss * weight).backward()
+                        terms.update(value_terms)
+                    if weight:
+                        add_metrics(sums, maxes, loss, terms, batch, args)
+                sums, maxes = distributed.all_reduce(sums, "sum"), distributed.all_reduce(maxes, "max")
+                grad_norms = [clip_gradients(policy, args.max_grad_norm)]
                 if critic:
-                    with distributed.grad_sync(critic.model, k == len(passes) - 1):
-                        value_loss, value_terms = micro_batch_value_loss(critic.model, batch, len(rows),
-                                                                         num_tokens, args)
-                        (args.vf_coef * value_loss * weight).backward()
-                    terms.update(value_terms)
-                if weight:
-                    add_metrics(sums, maxes, loss, terms, batch, args)
-            sums, maxes = distributed.all_reduce(sums, "sum"), distributed.all_reduce(maxes, "max")
-            grad_norms = [clip_gradients(policy, args.max_grad_norm)]
-            if critic:
-                grad_norms.append(clip_gradients(critic.model, args.max_grad_norm))
-            if on_policy is None:            # the first minibatch, before any step: π_θ is π_old
-                on_policy = {"logprob_diff_max": maxes["logprob_diff"],
-                             "logprob_diff_mean": sums["logprob_diff"] / sums["completion_tokens"],
-                             "outside_clip_on_policy": sums["outside_clip"] / sums["checked"]}
-            bar.update(1)
-            if not all(map(math.isfinite, [*grad_norms, sums["loss"], sums["value_loss"]])):
-                skipped = skip_step(optimizers, skipped, grad_norms, sums["loss"], args.max_bad_steps)
-                continue
-            step = adamw_steps(optimizer)
-            for opt, lr in zip(optimizers, (args.lr, args.critic_lr)):
-                set_lr(opt, scheduled_lr(args, step, lr))
-                opt.step()
-            steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, scheduled_lr(args, step)))
-            bar.set_postfix(loss=f"{sums['loss']:.4f}")
+                    grad_norms.append(clip_gradients(critic.model, args.max_grad_norm))
+                if on_policy is None:            # the first minibatch, before any step: π_θ is π_old
+                    on_policy = {"logprob_diff_max": maxes["logprob_diff"],
+                                 "logprob_diff_mean": sums["logprob_diff"] / sums["completion_tokens"],
+                                 "outside_clip_on_policy": sums["outside_clip"] / sums["checked"]}
+                bar.update(1)
+                if not all(map(math.isfinite, [*grad_norms, sums["loss"], sums["value_loss"]])):
+                    skipped = skip_step(optimizers, skipped, grad_norms, sums["loss"], args.max_bad_steps)
+                    continue
+                step = adamw_steps(optimizer)
+                for opt, lr in zip(optimizers, (args.lr, args.critic_lr)):
+                    set_lr(opt, scheduled_lr(args, step, lr))
+                    opt.step()
+                lr = scheduled_lr(args, step)
+                steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, lr))
+                bar.set_postfix(loss=f"{sums['loss']:.4f}")
     bar.close()
     if steps:
         metrics = {k: None if v is None else sum(s[k] for s in steps) / len(steps)

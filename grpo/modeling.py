@@ -5,14 +5,15 @@ it to the reference model, update.py to the policy it trains, and the sampler ta
 the same `logprobs_from_logits`, so π_old, π_ref and π_θ are computed the same way.
 """
 
+import contextlib
 import os
 import re
 
 import torch
 
+from grpo import distributed, files
 from grpo.cli import StageError
 from grpo.distributed import row_slices
-from grpo import files
 
 
 # A Hugging Face Hub id, org/name, optionally @revision (a branch, tag or commit).
@@ -97,6 +98,38 @@ def load_critic(path, device, trust_remote_code=False):
                          f"found {', '.join(architectures) or 'no architecture'}); train.py --algo ppo makes "
                          f"one from the policy, as does grpo.builders.make_critic")
     return load_model(path, device, trust_remote_code, auto_class=AutoModelForTokenClassification)
+
+
+@contextlib.contextmanager
+def gradient_checkpointing(models, on=True):
+    """Within this block the models' decoder layers recompute their activations in the backward pass
+    (transformers' gradient checkpointing) instead of keeping them for it.
+
+    transformers checkpoints a layer only while the layer is in training mode, and the models stay in
+    eval mode (no dropout, so that π_θ = π_old on-policy): so the layers alone are flagged as training
+    for the block, which nothing in them reads but the checkpointing switch (attention dropout is
+    read from the attention module). Afterwards, sampling runs with its KV cache again."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not on:
+        yield
+        return
+    models = [distributed.unwrap(m) for m in models]
+    layers = [m for model in models for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise StageError(f"--gradient-checkpointing: {type(models[0]).__name__} has no layers that "
+                         f"transformers can checkpoint")
+    for model in models:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
+        for model in models:
+            model.gradient_checkpointing_disable()
 
 
 def quiet_transformers():

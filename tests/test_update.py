@@ -251,3 +251,32 @@ def test_out_folder_with_other_files_is_refused_and_dr_grpo_needs_l_max(models, 
     assert_user_error(cli("update.py", *args, "--out", tmp_path / "x", "--loss-agg", "dr_grpo"),
                       "dr_grpo", "--max-new-tokens")
     assert cli("update.py", *args, "--out", tmp_path / "x", "--loss-agg", "dr_grpo", "--max-new-tokens", 40).code == 0
+
+
+def test_gradient_checkpointing_recomputes_and_takes_the_same_step(models, rollout_dir):
+    """With --gradient-checkpointing each decoder layer runs twice per micro-batch (forward, then again
+    in the backward pass), the step is the same, and afterwards the model samples as before."""
+    rollouts = rollouts_of(rollout_dir)
+    adv = torch.linspace(-1.5, 1.5, rollouts["group_ids"].numel())
+    calls = []
+
+    def counting_load(path, device):
+        model = modeling.load_model(path, device)
+        model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        return model
+
+    results = {}
+    for on in (False, True):
+        calls.clear()
+        args = update.parse_args(["--model", "m", "--rollouts", "r", "--advantages", "a", "--out", "o",
+                                  "--lr", "1e-3", "--micro-batch-size", "4"] + ["--gradient-checkpointing"] * on)
+        args.temperature = 0.7
+        policy = counting_load(models["policy"], "cpu")
+        metrics = update.train_policy(policy, checkpoints.adamw(policy, args.lr), rollouts, adv, args)
+        results[on] = (policy, metrics, len(calls))
+    (plain, m0, n0), (checkpointed, m1, n1) = results[False], results[True]
+    assert n1 == 2 * n0 > 0
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        assert torch.equal(a, b)
+    assert m0["loss"] == m1["loss"] and m0["grad_norm"] == m1["grad_norm"]
+    assert not checkpointed.model.layers[0].training and not checkpointed.is_gradient_checkpointing
