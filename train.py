@@ -119,6 +119,13 @@ CONFIGS = {
     # For a GPU: more prompts, longer answers, more iterations; the same code path.
     "gpu": Config(iterations=200, num_prompts=32, group_size=16, max_new_tokens=128, eval_every=20,
                   eval_prompts=200, save_every=50),
+    # GSM8K with Qwen2.5-0.5B-Instruct on a GPU (README: Your own model, data and reward): the files of
+    # examples/math_data.py; DeepSeekMath's lr 1e-6 and β 0.04 with G = 8 and 256 completions a step.
+    "gsm8k_qwen": Config(model="Qwen/Qwen2.5-0.5B-Instruct", prompts="data/gsm8k_train.jsonl",
+                         eval_prompts_file="data/gsm8k_test.jsonl", reward=["math"], iterations=200,
+                         num_prompts=32, group_size=8, max_new_tokens=512, temperature=1.0, lr=1e-6,
+                         beta=0.04, minibatch_size=256, micro_batch_size=32, eval_every=20, eval_prompts=200,
+                         save_every=50),
 }
 # What --resume may change: nothing that alters the iterations already done.
 RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp",
