@@ -260,7 +260,8 @@ def checkpoint_dir(run_dir, i):
 
 def keep_checkpoint(run_dir, i):
     """checkpoint_dir(run_dir, i): policy/ (the policy about to sample iteration i) as hard links, which
-    cost no space or time and survive policy/ being replaced; a copy where links are not possible."""
+    cost no time, and no space until policy/ is replaced (then they keep the old files: a whole save's
+    size); a copy where links are not possible."""
     keep = checkpoint_dir(run_dir, i)
     shutil.rmtree(keep + ".tmp", ignore_errors=True)
 

@@ -15,10 +15,11 @@ code that math-verify's own timeout (SIGALRM, whole seconds) cannot interrupt. S
 - answers longer than MAX_ANSWER_CHARS, nested deeper than MAX_BRACE_DEPTH, or holding a TeX
   definition command score 0 without being parsed (a 10^5-digit number, a 100 KB run of braces);
 - math-verify runs in a worker process (`python -m grpo.math_reward`) with its own timeouts of
-  one second and a memory limit; a row that takes longer than ROW_SECONDS has its worker killed
-  (restarted for the next row) and scores 0.
+  one second, a memory limit and a CPU-time limit; a row that takes longer than ROW_SECONDS has
+  its worker killed (restarted for the next row) and scores 0.
 """
 
+import atexit
 import json
 import os
 import re
@@ -116,8 +117,12 @@ class Verifier:
         """True or False; False as well when the row ran out of time (the worker is then killed)."""
         if self.process is None or self.process.poll() is not None:
             self.start()
-        self.process.stdin.write((json.dumps([prediction, reference]) + "\n").encode())
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write((json.dumps([prediction, reference]) + "\n").encode())
+            self.process.stdin.flush()
+        except BrokenPipeError:                   # the worker died since it was last asked
+            self.stop()
+            return False
         reply = self.read_line(ROW_SECONDS)
         if reply is None:
             self.stop()
@@ -125,6 +130,7 @@ class Verifier:
 
 
 VERIFIER = Verifier()
+atexit.register(VERIFIER.stop)
 
 
 def equivalent(prediction, reference):
@@ -167,6 +173,7 @@ def serve():
     from math_verify import LatexExtractionConfig, parse, verify
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    _, cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)                                 # what math-verify prints goes to the discarded stderr
     config = [LatexExtractionConfig(boxed_match_priority=0)]
@@ -181,10 +188,20 @@ def serve():
         except Exception:  # a parse or comparison that fails in any way (MemoryError included) is a 0
             return False
 
+    def limit_cpu(seconds):
+        """SIGXCPU ends the worker `seconds` CPU-seconds from now."""
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        soft = int(usage.ru_utime + usage.ru_stime) + seconds
+        resource.setrlimit(resource.RLIMIT_CPU,
+                           (soft if cpu_hard == resource.RLIM_INFINITY else min(soft, cpu_hard), cpu_hard))
+
     check("(x+1)^2", "x^2+2x+1")                  # sympy's first comparison is slow: pay it before "ready"
     print("ready", file=replies, flush=True)
     for line in sys.stdin:
         prediction, reference = json.loads(line)
+        # The parent kills a row that overruns; should the parent itself be gone, the kernel ends the
+        # worker a few CPU-seconds into the row rather than let it compute for ever.
+        limit_cpu(3)
         print("1" if check(prediction, reference) else "0", file=replies, flush=True)
 
 

@@ -99,3 +99,4 @@ def test_score_py_math_reward_on_gsm8k_and_math_records(tmp_path):
     got = load_file(tmp_path / "r.safetensors")
     assert got["rewards"].tolist() == [1, 1, 0, 1, 1, 0, 0, 0]
     assert got["skipped"].tolist() == [False] * 6 + [True] * 2
+

@@ -244,3 +244,32 @@ def test_a_run_on_a_prompt_file_resumes_exactly(tmp_path):
     for i in range(4):       # iterations 2 and 3 cross the file's first pass (5 records, 3 per iteration)
         assert (tmp_path / "straight" / f"iter_{i:04d}" / "prompts.jsonl").read_text() == \
             (tmp_path / "resumed" / f"iter_{i:04d}" / "prompts.jsonl").read_text()
+
+
+def test_trl_shaped_rewards_on_chat_prompts_in_a_run(tmp_path):
+    """A run on chat prompts with TRL's two documented reward shapes: the records whose solution holds no
+    number get None from accuracy_reward; with that reward alone their rows are skipped (advantage 0,
+    counted in charts/skipped_rewards), with format_reward beside it they are not."""
+    from conftest import write_jsonl
+
+    records = [{"prompt": [{"role": "user", "content": f"{c}:"}], "solution": sol}
+               for c, sol in [("digits", "7"), ("lower", "none"), ("upper", "3"), ("digits", "none")]]
+    prompts = write_jsonl(tmp_path / "chat.jsonl", records)
+    base = ["--config", "tiny", "--prompts", prompts, "--eval-prompts-file", prompts, "--iterations", 1,
+            "--num-prompts", 4, "--eval-every", 0]
+    r = cli("train.py", *base, "--run-dir", tmp_path / "acc", "--reward", "tests.rewards_for_tests:accuracy_reward")
+    assert r.code == 0, r.err
+    it = tmp_path / "acc" / "iter_0000"
+    rewards, advantages = load_file(it / "rewards.safetensors"), load_file(it / "advantages.safetensors")
+    samples = [json.loads(line) for line in open(it / "samples.jsonl")]
+    no_number = torch.tensor([s["solution"] == "none" for s in samples])
+    assert all(s["messages"] == [{"role": "user", "content": s["prompt"].split("user: ")[1].split("\n")[0]}]
+               for s in samples)
+    assert torch.equal(rewards["skipped"], no_number) and no_number.sum() == 16
+    assert torch.equal(advantages["advantages"][no_number], torch.zeros(16))
+    metrics = json.load(open(it / "metrics.json"))
+    assert metrics["charts/skipped_rewards"] == 16
+    r = cli("train.py", *base, "--run-dir", tmp_path / "both", "--reward", "tests.rewards_for_tests:accuracy_reward",
+            "tests.rewards_for_tests:format_reward", "--reward-weights", 1, 0.5)
+    assert r.code == 0, r.err
+    assert "skipped" not in load_file(tmp_path / "both" / "iter_0000" / "rewards.safetensors")
