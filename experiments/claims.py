@@ -69,11 +69,23 @@ CLAIMS = {
 }
 
 
+def import_once():
+    """What train.py imports only when it runs, imported here before the forks so that no child pays
+    for it again (a tiny run takes about a second; these imports take several)."""
+    import torch.utils.tensorboard  # noqa: F401
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,  # noqa: F401
+                              LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification)
+
+    import train  # noqa: F401
+
+
 def run_forked(argv, log_path):
     """train.main(argv) in a forked child with its output in log_path; returns (exit code, seconds,
     peak RSS in MiB)."""
     import train
     from grpo.cli import run_cli
+
+    import_once()
 
     start = time.perf_counter()
     pid = os.fork()
