@@ -43,7 +43,8 @@ def made_up_batch(model_dir, rows, tokens, out_dir):
     }
     meta = {"schema": "rollouts/1", "args": json.dumps({"temperature": 1.0, "max_new_tokens": tokens})}
     save_file(rollouts, os.path.join(out_dir, "rollouts.safetensors"), metadata=meta)
-    advantages = {"advantages": torch.tensor([1.0, -1.0]).repeat(rows // 2), "group_ids": rollouts["group_ids"]}
+    advantages = {"advantages": torch.tensor([1.0, -1.0]).repeat(rows // 2),
+                  "group_ids": rollouts["group_ids"]}
     save_file(advantages, os.path.join(out_dir, "advantages.safetensors"),
               metadata={"schema": "advantages/1", "args": "{}"})
 

@@ -46,7 +46,8 @@ def load_rows(dataset, split, paths=None, hub_id=None):
     if paths:
         kinds = {os.path.splitext(p)[1] for p in paths}
         if kinds - {".parquet", ".jsonl", ".json"} or len(kinds) != 1:
-            raise SystemExit(f"--files: give .parquet or .jsonl/.json files, of one kind; got {sorted(kinds)}")
+            raise SystemExit(f"--files: give .parquet or .jsonl/.json files, of one kind; "
+                             f"got {sorted(kinds)}")
         builder = "parquet" if kinds == {".parquet"} else "json"
         return list(datasets.load_dataset(builder, data_files=paths, split="train"))
     repo, configs = HUB[dataset]
@@ -82,11 +83,14 @@ def main(argv=None):
     p.add_argument("--dataset", required=True, choices=sorted(HUB))
     p.add_argument("--split", default="train", help="the Hub split (default train); GSM8K and MATH have test")
     p.add_argument("--files", nargs="+", default=None, help="local .parquet or .jsonl files (globs expanded)")
-    p.add_argument("--hub-id", default=None, help="another Hub copy in the same columns (all of it, one config)")
+    p.add_argument("--hub-id", default=None,
+                   help="another Hub copy in the same columns (all of it, one config)")
     p.add_argument("--limit", type=int, default=0, help="keep the first N records (default all)")
     p.add_argument("--out", required=True, help="the prompt file to write (JSON lines)")
     args = p.parse_args(argv)
-    paths = [m for pattern in args.files for m in sorted(glob.glob(pattern)) or [pattern]] if args.files else None
+    paths = None
+    if args.files:
+        paths = [m for pattern in args.files for m in sorted(glob.glob(pattern)) or [pattern]]
     for path in paths or []:
         if not os.path.isfile(path):
             raise SystemExit(f"--files: no such file {path}")

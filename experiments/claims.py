@@ -18,6 +18,7 @@ person reading these; nothing here decides them.
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,8 @@ CLAIMS = {
                 ["charts/reward_mean", "charts/frac_zero_std"]),
     "c2": Claim("With β = 0 the policy drifts into repetition within a few updates; β = 0.01 holds it.",
                 {"beta0": ["--beta", "0"], "beta0.01": ["--beta", "0.01"]},
-                ["charts/reward_mean", "diversity/distinct_2", "diversity/repeat_4gram", "losses/kl"]),
+                ["charts/reward_mean", "diversity/distinct_2", "diversity/repeat_4gram", "losses/kl"],
+                common=["--max-new-tokens", "24"]),
     "c3": Claim("G from 4 to 8 helps clearly, from 8 to 16 less.",
                 {"G4": ["--group-size", "4"], "G8": ["--group-size", "8"], "G16": ["--group-size", "16"]},
                 ["charts/reward_mean", "diag/reward_std_mean", "charts/frac_zero_std", "perf/iteration_s"]),
@@ -58,8 +60,8 @@ CLAIMS = {
                 ["charts/reward_mean", "eval/reward_mean", "losses/value_loss", "perf/iteration_s"]),
     "c6": Claim("A reward that correlates with length makes answers grow; the length penalty and the "
                 "length-stratified advantage curb it.",
-                {"plain": [], "length_penalty": ["--length-penalty", "0.5"],
-                 "length_strata": ["--length-strata", "2"]},
+                {"plain": [], "penalty0.1": ["--length-penalty", "0.1"],
+                 "penalty0.5": ["--length-penalty", "0.5"], "length_strata": ["--length-strata", "2"]},
                 ["charts/completion_len", "charts/reward/class_chars", "diag/length_reward_corr"],
                 common=["--reward", LENGTH_REWARD, "--max-new-tokens", "24"]),
     "c7": Claim("Too high a learning rate at fixed β fixes a template and shortens answers.",
@@ -118,15 +120,13 @@ def run_claim(name, seeds, iterations, runs_root=RUNS, results=RESULTS):
     for arm, flags in claim.arms.items():
         for seed in range(seeds):
             run_dir = os.path.join(runs_root, name, f"{arm}_seed{seed}")
-            done = os.path.join(run_dir, "experiment.json")
-            if os.path.isfile(done) and json.load(open(done))["iterations"] == iterations:
-                stats[run_dir] = json.load(open(done))
-                continue
-            if os.path.exists(run_dir):
-                import shutil
-                shutil.rmtree(run_dir)
             argv = ["--config", "tiny", *claim.common, *flags, "--seed", str(seed), "--iterations",
                     str(iterations), "--eval-every", str(max(iterations // 3, 1)), "--run-dir", run_dir]
+            done = os.path.join(run_dir, "experiment.json")
+            if os.path.isfile(done) and json.load(open(done))["argv"] == argv:     # this very run, done
+                stats[run_dir] = json.load(open(done))
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
             code, seconds, rss = run_forked(argv, run_dir + ".log")
             if code != 0:
                 raise SystemExit(f"{name} {arm} seed {seed}: train.py failed; see {run_dir}.log")
@@ -170,8 +170,11 @@ def summary_table(name, claim, run_dirs, stats, seeds, iterations):
 
     lines = [f"# {name.upper()}: {claim.text}", "",
              f"`python -m experiments.claims {name} --seeds {seeds} --iterations {iterations}`: "
-             f"train.py --config tiny {' '.join(claim.common)}; mean ± std over {seeds} seed(s). "
-             f"final = mean of the last 5 iterations, AUC = mean over all {iterations}.", ""]
+             f"train.py --config tiny{''.join(' ' + f for f in claim.common)}; "
+             f"mean ± std over {seeds} seed(s). "
+             f"final = mean of the last 5 iterations, AUC = mean over all {iterations}. Peak RSS is the "
+             f"forked run's, which counts pages it shares with the experiment process: compare arms "
+             f"within a claim, not across claims.", ""]
     logged = [m for m in claim.metrics if not m.startswith("eval/")]
     header = ["arm"] + [f"{m} {k}" for m in logged for k in ("final", "AUC")] + ["wall s", "peak RSS MiB"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -184,7 +187,7 @@ def summary_table(name, claim, run_dirs, stats, seeds, iterations):
                 cells += ["–", "–"]
                 continue
             cells += [mean_std([np.mean(c[-5:]) for c in curves]), mean_std([np.mean(c) for c in curves])]
-        cells += [mean_std([stats[d]["wall_s"] for d in runs]), mean_std([stats[d]["peak_rss_mb"] for d in runs])]
+        cells += [mean_std([stats[d][k] for d in runs]) for k in ("wall_s", "peak_rss_mb")]
         lines.append("| " + " | ".join(cells) + " |")
     evals = [m for m in claim.metrics if m.startswith("eval/")]
     if evals:

@@ -9,4 +9,5 @@ from grpo.tasks import CHAR_CLASSES, completion_text
 
 
 def class_chars(prompts, completions, char_class, **fields):
-    return [sum(ch in CHAR_CLASSES[k] for ch in completion_text(c)) / 24 for c, k in zip(completions, char_class)]
+    texts = [completion_text(c) for c in completions]
+    return [sum(ch in CHAR_CLASSES[k] for ch in t) / 24 for t, k in zip(texts, char_class)]
