@@ -205,7 +205,7 @@ def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=
     if skipped is not None:
         mask = mask & ~skipped.bool()[:, None]                              # [N, T] rows with a reward
         A = torch.where(mask, A, 0.0)
-    R = A + V                                                               # [N, T], 0 off the mask
+    R = A + V                                                               # [N, T]: V on skipped rows
     if whiten:
         real = A[mask]                                                      # [tokens]
         centred = A - real.mean()

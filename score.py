@@ -109,11 +109,12 @@ def call_reward(name, fn, prompts, completions, fields, on_error="fail"):
                 problem = f"returned NaN, infinite or non-numbers in rows {rows}"
     if problem is not None and on_error == "fail":
         raise StageError(f"reward {name!r} {problem} (--on-reward-error skip leaves such rows out)")
+    if problem is not None and not bad.any():       # it raised or gave the wrong length: every row
+        values, bad = [None] * n, torch.ones(n, dtype=torch.bool)
     if problem is not None:
-        bad = bad if bad.any() else torch.ones(n, dtype=torch.bool)
         warn(f"score: reward {name!r} {problem}; {int(bad.sum())} rows skipped (advantage 0, left out of "
              f"their group's mean and std)")
-    r = [math.nan if b or v is None else float(v) for v, b in zip(values or [None] * n, bad.tolist())]
+    r = [math.nan if b or v is None else float(v) for v, b in zip(values, bad.tolist())]
     return torch.tensor(r, dtype=torch.float32), bad                                         # [N]
 
 

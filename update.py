@@ -389,8 +389,8 @@ def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, ret
                 for opt, lr in zip(optimizers, (args.lr, args.critic_lr)):
                     set_lr(opt, scheduled_lr(args, step, lr))
                     opt.step()
-                lr = scheduled_lr(args, step)
-                steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, lr))
+                step_lr = scheduled_lr(args, step)
+                steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, step_lr))
                 bar.set_postfix(loss=f"{sums['loss']:.4f}")
     bar.close()
     if steps:

@@ -20,12 +20,11 @@ import tempfile
 import time
 
 import torch
-from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from grpo import builders, modeling  # noqa: E402
+from grpo import builders, files, modeling  # noqa: E402
 
 
 def made_up_batch(model_dir, rows, tokens, out_dir):
@@ -41,12 +40,11 @@ def made_up_batch(model_dir, rows, tokens, out_dir):
         "old_logprobs": torch.zeros(rows, tokens),
         "truncated": torch.ones(rows, dtype=torch.bool),
     }
-    meta = {"schema": "rollouts/1", "args": json.dumps({"temperature": 1.0, "max_new_tokens": tokens})}
-    save_file(rollouts, os.path.join(out_dir, "rollouts.safetensors"), metadata=meta)
-    advantages = {"advantages": torch.tensor([1.0, -1.0]).repeat(rows // 2),
+    files.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), rollouts, files.ROLLOUTS[0],
+                       {"temperature": 1.0, "max_new_tokens": tokens})
+    advantages = {"advantages": torch.tensor([1.0, -1.0]).repeat(rows)[:rows],
                   "group_ids": rollouts["group_ids"]}
-    save_file(advantages, os.path.join(out_dir, "advantages.safetensors"),
-              metadata={"schema": "advantages/1", "args": "{}"})
+    files.save_tensors(os.path.join(out_dir, "advantages.safetensors"), advantages, files.ADVANTAGES[0], {})
 
 
 def run_update(model_dir, work, checkpointing):

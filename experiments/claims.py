@@ -7,8 +7,8 @@
 
 Every arm is `train.py --config tiny` (the 2-layer Llama learning character classes from scratch;
 CLAIMS says what each arm changes) with seeds 0..S−1, in experiments/runs/CLAIM/ARM_seedS. Each
-run is a child process forked from this one (train.py imported once), whose peak RSS is read
-from wait4. Then experiments/results/CLAIM.png (the claim's metrics against the iteration, mean ±
+run is a child process forked from a fork server that has imported train.py once; the child
+reports its own peak RSS. Then experiments/results/CLAIM.png (the claim's metrics against the iteration, mean ±
 std over the seeds, drawn by experiments.plot) and CLAIM.md (per arm, mean ± std over the seeds:
 each metric's final value, the mean of the last five iterations, and its area under the curve,
 the mean over all iterations; wall time; peak RSS). The verdicts are written in the README by a
@@ -18,6 +18,7 @@ person reading these; nothing here decides them.
 import argparse
 import json
 import os
+import queue
 import shutil
 import sys
 import time
@@ -71,43 +72,51 @@ CLAIMS = {
 }
 
 
-def import_once():
-    """What train.py imports only when it runs, imported here before the forks so that no child pays
-    for it again (a tiny run takes about a second; these imports take several)."""
-    import torch.utils.tensorboard  # noqa: F401
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,  # noqa: F401
-                              LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification)
-
-    import train  # noqa: F401
+# Imported once by the fork server, so that no run pays for them again (a tiny run takes about a
+# second; these imports take several).
+PRELOAD = ["train", "torch.utils.tensorboard", "transformers.models.llama.modeling_llama",
+           "transformers.generation.utils", "experiments.claims"]
 
 
-def run_forked(argv, log_path):
-    """train.main(argv) in a forked child with its output in log_path; returns (exit code, seconds,
-    peak RSS in MiB)."""
+def child_run(argv, log_path, usage):
+    """One training run in a child of the fork server: train.py's main with its output in log_path;
+    puts the child's peak RSS (MiB) into `usage`."""
+    import resource
+
     import train
     from grpo.cli import run_cli
 
-    import_once()
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.argv = ["train.py", *argv]
+    try:
+        run_cli(lambda: train.main(argv))
+    finally:
+        usage.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
+
+def run_child(argv, log_path):
+    """train.main(argv) in a child of a fork server; returns (exit code, seconds, peak RSS in MiB).
+
+    Not os.fork() of this process: after torch has run here (as in the test suite), its thread pools'
+    locks can be held at the fork and the child would hang. The fork server is a fresh process that
+    has imported PRELOAD and never computed; each run is a fork of it."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    usage = context.Queue()
     start = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:                                               # the child: one training run
-        code = 1
-        try:
-            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            sys.argv = ["train.py", *argv]
-            run_cli(lambda: train.main(argv))
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status, usage = os.wait4(pid, 0)
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - start, usage.ru_maxrss / 1024
+    child = context.Process(target=child_run, args=(argv, log_path, usage))
+    child.start()
+    child.join()
+    seconds = time.perf_counter() - start
+    try:
+        rss = usage.get(timeout=10)
+    except queue.Empty:                               # the child died before it could say
+        rss = float("nan")
+    return child.exitcode, seconds, rss
 
 
 def run_claim(name, seeds, iterations, runs_root=RUNS, results=RESULTS):
@@ -127,7 +136,7 @@ def run_claim(name, seeds, iterations, runs_root=RUNS, results=RESULTS):
                 stats[run_dir] = json.load(open(done))
                 continue
             shutil.rmtree(run_dir, ignore_errors=True)
-            code, seconds, rss = run_forked(argv, run_dir + ".log")
+            code, seconds, rss = run_child(argv, run_dir + ".log")
             if code != 0:
                 raise SystemExit(f"{name} {arm} seed {seed}: train.py failed; see {run_dir}.log")
             os.replace(run_dir + ".log", os.path.join(run_dir, "train.log"))
@@ -212,12 +221,14 @@ def main(argv=None):
     p.add_argument("claim", choices=[*CLAIMS, "all"])
     p.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
     p.add_argument("--iterations", type=int, default=30, help="iterations per run (default 30, tiny's)")
-    p.add_argument("--smoke", action="store_true", help="2 iterations, 1 seed (runs and results in --out)")
+    p.add_argument("--smoke", action="store_true",
+                   help="2 iterations, 1 seed, in --out (default experiments/smoke: the results stay apart)")
     p.add_argument("--out", default=None, help="one folder for the runs and the results (default: "
                                                 "experiments/runs and experiments/results)")
     args = p.parse_args(argv)
     if args.smoke:
         args.seeds, args.iterations = 1, 2
+        args.out = args.out or os.path.join(ROOT, "experiments", "smoke")
     runs = os.path.join(args.out, "runs") if args.out else RUNS
     results = os.path.join(args.out, "results") if args.out else RESULTS
     sys.path.insert(0, ROOT)

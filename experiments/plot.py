@@ -3,10 +3,10 @@
     python -m experiments.plot runs/a_seed0 runs/a_seed1 runs/b_seed0 --metric charts/reward_mean
     python -m experiments.plot runs/* --metric charts/reward_mean charts/completion_len --out curves.png
 
-Runs whose folder names differ only in a trailing seed (`NAME_seed3`, `NAME-s3`, `NAME3` is not
-one) form one arm: its curve is the mean over the seeds at each step, with a band of ± one
-standard deviation (Bessel; no band for one seed). Steps that not every seed of the arm logged
-are left out of its curve. One panel per metric.
+Runs whose folder names differ only in a trailing seed (`NAME_seed3`, `NAME-seed3`, `NAME_s3` or
+`NAME-s3`; `NAME3` is not one) form one arm: its curve is the mean over the seeds at each step,
+with a band of ± one standard deviation (Bessel; no band for one seed). Steps that not every seed
+of the arm logged are left out of its curve. One panel per metric; an arm keeps its colour in all.
 """
 
 import argparse
@@ -20,7 +20,7 @@ SEED = re.compile(r"^(?P<arm>.+?)[_-](?:seed|s)(?P<seed>\d+)$")
 
 
 def arm_of(run_dir):
-    """The arm a run belongs to: its folder name without a trailing _seedN (or -sN)."""
+    """The arm a run belongs to: its folder name without a trailing _seedN, -seedN, _sN or -sN."""
     name = os.path.basename(os.path.normpath(run_dir))
     match = SEED.match(name)
     return match.group("arm") if match else name
@@ -76,17 +76,19 @@ def plot(curves, metrics, out, title=None):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.4), squeeze=False)
+    colors = {arm: f"C{k % 10}" for k, arm in enumerate(curves)}
     for ax, metric in zip(axes[0], metrics):
         for arm, by_metric in curves.items():
             if metric not in by_metric:
                 continue
             steps, mean, std = by_metric[metric]
-            line, = ax.plot(steps, mean, label=arm)
-            ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
+            ax.plot(steps, mean, label=arm, color=colors[arm])
+            ax.fill_between(steps, mean - std, mean + std, color=colors[arm], alpha=0.2, linewidth=0)
         ax.set_xlabel("iteration")
         ax.set_title(metric, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = [plt.Line2D([], [], color=colors[arm], label=arm) for arm in curves]
+    axes[0][0].legend(handles=handles, fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()

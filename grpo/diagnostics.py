@@ -11,7 +11,8 @@ a test can feed them a hand-made batch. README "Diagnostics" says what each mean
 - logprob_mismatch:         do sampler and trainer agree? |log π_θ − log π_old| before any step
 - explained_variance:       does PPO's critic predict the returns? 1 − Var(R − V)/Var(R)
 
-all_equal_groups is the one definition of a group with no signal: advantage.py gives such groups
+no_signal_groups is the one definition of a group with no signal (all its valid rewards equal, by
+all_equal_groups, or fewer than 2 rows that score.py did not skip): advantage.py gives such groups
 exactly 0, and reward_spread counts them. Shapes: N = B·G rows, G per group, T completion length.
 """
 
@@ -77,10 +78,11 @@ def iteration_metrics(rollouts, rewards, components, skipped, completions, group
     """The charts/, diag/ and diversity/ numbers of one iteration's batch (README: Metrics)."""
     lengths = rollouts["completion_mask"].sum(-1)                           # [N]
     spread = reward_spread(rewards, group_size, skipped)
-    lengths_vs_reward = length_stats(lengths, rewards, group_size)
+    lengths_vs_reward = length_stats(lengths, rewards, group_size, skipped)
     kept = rewards[~skipped]                                                # [n] rows with a reward
     return {
-        "charts/reward_mean": kept.mean().item(), "charts/reward_std": kept.std().item(),
+        "charts/reward_mean": kept.mean().item(),
+        "charts/reward_std": kept.std().item() if kept.numel() > 1 else 0.0,
         **{f"charts/reward/{k}": v.nanmean().item() for k, v in components.items()},
         "charts/frac_zero_std": spread["frac_zero_std"],
         "charts/completion_len": lengths.float().mean().item(),
@@ -99,7 +101,8 @@ def spread_report(spread, group_size):
              f"min {spread['std_min']:.3f} / q25 {spread['std_q25']:.3f} / "
              f"median {spread['std_median']:.3f} / q75 {spread['std_q75']:.3f} / "
              f"max {spread['std_max']:.3f}; "
-             f"{spread['frac_zero_std']:.0%} of groups have all-equal rewards (advantage 0, no signal)"]
+             f"{spread['frac_zero_std']:.0%} of groups have all-equal rewards or fewer than 2 rows with a "
+             f"reward (advantage 0, no signal)"]
     if spread["frac_zero_std"] > NO_SIGNAL_WARN:
         lines.append("WARNING: most groups carry no signal. GRPO learns only from groups whose rewards "
                      "differ: raise G (--group-size), make the task easier or the reward denser (partial "
@@ -108,13 +111,16 @@ def spread_report(spread, group_size):
     return lines
 
 
-def length_stats(lengths, rewards, group_size):
+def length_stats(lengths, rewards, group_size, skipped=None):
     """Mean and std of completion lengths, and the within-group Pearson correlation of length and
     reward: both centred on their group's mean, then correlated over all rows, so a prompt that is
-    both long and easy does not count. 0 when no group varies in both. [N], [N] -> dict"""
+    both long and easy does not count; skipped rows take no part in it. 0 when no group varies in
+    both. [N], [N] -> dict"""
     x = lengths.double().reshape(-1, group_size)                            # [B, G]
     y = rewards.double().reshape(-1, group_size)                            # [B, G]
-    x, y = x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True)      # centred within each group
+    valid = torch.ones_like(x, dtype=torch.bool) if skipped is None else ~skipped.reshape(x.shape)
+    x = torch.where(valid, x - group_mean_std(x, valid)[0], 0.0)           # centred within each group
+    y = torch.where(valid, y - group_mean_std(y, valid)[0], 0.0)
     denom = (x.pow(2).sum() * y.pow(2).sum()).sqrt()
     corr = (x * y).sum() / denom if denom > 0 else torch.tensor(0.0)
     return {"length_reward_corr": corr.item(), "len_mean": lengths.double().mean().item(),

@@ -15,8 +15,11 @@ code that math-verify's own timeout (SIGALRM, whole seconds) cannot interrupt. S
 - answers longer than MAX_ANSWER_CHARS, nested deeper than MAX_BRACE_DEPTH, or holding a TeX
   definition command score 0 without being parsed (a 10^5-digit number, a 100 KB run of braces);
 - math-verify runs in a worker process (`python -m grpo.math_reward`) with its own timeouts of
-  one second, a memory limit and a CPU-time limit; a row that takes longer than ROW_SECONDS has
-  its worker killed (restarted for the next row) and scores 0.
+  one second, a memory limit and a CPU-time limit; a row that takes longer than ROW_SECONDS of
+  wall time has its worker killed (restarted for the next row) and scores 0. That deadline is the
+  one place where a reward can depend on the machine's load: an answer that sympy needs most of a
+  second to compare may score 0 on a busy machine (such a row is not remembered, so it is asked
+  again the next time it comes).
 """
 
 import atexit
@@ -26,7 +29,6 @@ import re
 import select
 import subprocess
 import sys
-from functools import lru_cache
 
 from grpo.tasks import canonical_number, completion_text, last_number
 
@@ -114,19 +116,23 @@ class Verifier:
         return self.process.stdout.readline().decode().strip() if ready else None
 
     def equivalent(self, prediction, reference):
-        """True or False; False as well when the row ran out of time (the worker is then killed)."""
-        if self.process is None or self.process.poll() is not None:
-            self.start()
-        try:
-            self.process.stdin.write((json.dumps([prediction, reference]) + "\n").encode())
-            self.process.stdin.flush()
-        except BrokenPipeError:                   # the worker died since it was last asked
-            self.stop()
-            return False
-        reply = self.read_line(ROW_SECONDS)
-        if reply is None:
-            self.stop()
-        return reply == "1"
+        """True or False; None when there is no verdict: the row ran out of time (the worker is then
+        killed) or the worker died on it. A worker found dead before the row is replaced, once."""
+        for _ in range(2):
+            if self.process is None or self.process.poll() is not None:
+                self.start()
+            try:
+                self.process.stdin.write((json.dumps([prediction, reference]) + "\n").encode())
+                self.process.stdin.flush()
+            except BrokenPipeError:               # it died since it was last asked
+                self.stop()
+                continue
+            reply = self.read_line(ROW_SECONDS)
+            if reply not in ("0", "1"):           # out of time, or it died on this row
+                self.stop()
+                return None
+            return reply == "1"
+        return None
 
 
 VERIFIER = Verifier()
@@ -135,19 +141,30 @@ atexit.register(VERIFIER.stop)
 
 def equivalent(prediction, reference):
     """Is the model's answer equivalent to the reference? Plain numbers by their canonical strings,
-    everything else by math-verify in the worker."""
+    everything else by math-verify in the worker; no verdict in time is a 0."""
     if too_hostile(prediction):
         return False
     number, gold_number = canonical_number(prediction), canonical_number(reference)
     if number is not None and gold_number is not None:
         return number == gold_number
-    return verified(prediction, reference)
+    return bool(verified(prediction, reference))
 
 
-@lru_cache(maxsize=65536)
+VERDICTS = {}              # math-verify's verdicts, remembered: a group's samples often agree
+MAX_VERDICTS = 65536
+
+
 def verified(prediction, reference):
-    """math-verify's verdict, remembered: a group's samples often give the same answer."""
-    return VERIFIER.equivalent(prediction, reference)
+    """math-verify's verdict (None: none in time, which is not remembered, so it is asked again)."""
+    key = (prediction, reference)
+    if key not in VERDICTS:
+        verdict = VERIFIER.equivalent(prediction, reference)
+        if verdict is None:
+            return None
+        if len(VERDICTS) >= MAX_VERDICTS:
+            VERDICTS.clear()
+        VERDICTS[key] = verdict
+    return VERDICTS[key]
 
 
 def math(prompts, completions, solution=None, answer=None, **fields):

@@ -33,10 +33,12 @@ _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
 def canonical_number(text):
-    """'007' -> '7', '-3.50' -> '-3.5', '+2.0' -> '2', '-0' -> '0'; None if `text` is not a number."""
-    text = str(text).strip().replace(",", "")
+    """'007' -> '7', '-3.50' -> '-3.5', '+2.0' -> '2', '-0' -> '0', '1,234' -> '1234'; None if `text`
+    is not one number ('1,2' is a list: commas count only between groups of three digits)."""
+    text = str(text).strip()
     if not _NUMBER.fullmatch(text):
         return None
+    text = text.replace(",", "")
     sign = "-" if text.startswith("-") else ""
     whole, _, frac = text.lstrip("+-").partition(".")
     whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")

@@ -190,3 +190,10 @@ def test_reward_errors_can_be_skipped(rollout_dir, tmp_path, monkeypatch):
     got = load_file(tmp_path / "r.safetensors")
     assert bool(got["reward/boom"].isnan().all()) and bool(got["skipped"].all())
     assert torch.equal(got["rewards"], torch.zeros(16))
+
+
+def test_skipped_rows_take_no_part_in_the_length_reward_correlation():
+    lengths, rewards = torch.tensor([1, 2, 3, 100]), torch.tensor([1.0, 2.0, 3.0, 0.0])
+    assert diagnostics.length_stats(lengths, rewards, 4)["length_reward_corr"] < 0
+    skipped = torch.tensor([False, False, False, True])
+    assert diagnostics.length_stats(lengths, rewards, 4, skipped)["length_reward_corr"] == pytest.approx(1.0)

@@ -100,3 +100,12 @@ def test_score_py_math_reward_on_gsm8k_and_math_records(tmp_path):
     assert got["rewards"].tolist() == [1, 1, 0, 1, 1, 0, 0, 0]
     assert got["skipped"].tolist() == [False] * 6 + [True] * 2
 
+
+
+def test_a_list_is_not_a_number_and_a_worker_killed_on_a_row_recovers():
+    # "1,2" is a list of two numbers, not 12; "1,234" is one number.
+    assert math(["q"] * 2, ["\\boxed{12}", "\\boxed{1,234}"], answer=["1,2", "1234"]) == [0.0, 1.0]
+    math_reward.VERDICTS.clear()
+    assert math(["q"], [HOSTILE["a power tower"]], answer=["7"]) == [0.0]      # the worker is killed
+    assert math(["q"], ["\\boxed{\\frac{2}{4}}"], answer=["0.5"]) == [1.0]    # a new one gives the verdict
+    assert ("9^{9^{9^{9}}}", "7") not in math_reward.VERDICTS                # no verdict is not remembered

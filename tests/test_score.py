@@ -187,3 +187,13 @@ def test_chat_rows_reach_rewards_as_trl_passes_them(rollout_dir, tmp_path, monke
             rollout_dir / "samples.jsonl", "--reward", "shapes_mod:shapes", "--out", out)
     assert r.code == 0, r.err
     assert load_file(out)["rewards"].tolist() == [0.0] * 8 + [1.0] * 4 + [0.0] * 4
+
+
+def test_a_reward_may_return_a_numpy_array_or_a_tensor():
+    import numpy as np
+
+    import score
+
+    for values in (np.array([1.0, 0.5]), torch.tensor([1.0, 0.5])):
+        r, bad = score.call_reward("f", lambda prompts, completions, **k: values, ["a", "b"], ["x", "y"], {})
+        assert r.tolist() == [1.0, 0.5] and not bad.any()

@@ -255,7 +255,8 @@ def test_out_folder_with_other_files_is_refused_and_dr_grpo_needs_l_max(models, 
 
 def test_gradient_checkpointing_recomputes_and_takes_the_same_step(models, rollout_dir):
     """With --gradient-checkpointing each decoder layer runs twice per micro-batch (forward, then again
-    in the backward pass), the step is the same, and afterwards the model samples as before."""
+    in the backward pass), the step is the same, and afterwards the layers are out of training mode
+    and checkpointing is off (so sampling keeps its KV cache)."""
     rollouts = rollouts_of(rollout_dir)
     adv = torch.linspace(-1.5, 1.5, rollouts["group_ids"].numel())
     calls = []
