@@ -75,7 +75,7 @@ CLAIMS = {
 # Imported once by the fork server, so that no run pays for them again (a tiny run takes about a
 # second; these imports take several).
 PRELOAD = ["train", "torch.utils.tensorboard", "transformers.models.llama.modeling_llama",
-           "transformers.generation.utils", "experiments.claims"]
+           "transformers.generation.utils"]
 
 
 def child_run(argv, log_path, usage):
@@ -182,7 +182,7 @@ def summary_table(name, claim, run_dirs, stats, seeds, iterations):
              f"train.py --config tiny{''.join(' ' + f for f in claim.common)}; "
              f"mean ± std over {seeds} seed(s). "
              f"final = mean of the last 5 iterations, AUC = mean over all {iterations}. Peak RSS is the "
-             f"forked run's, which counts pages it shares with the experiment process: compare arms "
+             f"forked run's, which counts pages it shares with the fork server: compare arms "
              f"within a claim, not across claims.", ""]
     logged = [m for m in claim.metrics if not m.startswith("eval/")]
     header = ["arm"] + [f"{m} {k}" for m in logged for k in ("final", "AUC")] + ["wall s", "peak RSS MiB"]
