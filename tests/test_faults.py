@@ -23,6 +23,20 @@ def same_tensors(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def kill_when(argv, condition):
+    """Start `python argv` and SIGKILL it as soon as `condition()` holds (polled every millisecond), or
+    let it finish first; True if it was killed."""
+    proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    while proc.poll() is None:
+        if condition():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.001)
+    return False
+
+
 def kill_at(argv, delay):
     """Start `python argv`, SIGKILL it after `delay` seconds (or let it finish first); True if it was killed."""
     proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -48,20 +62,34 @@ def test_update_killed_at_any_moment_leaves_a_whole_checkpoint(models, rollout_d
     assert cli(*argv).code == 0
     old = load_file(str(out / "model.safetensors"))
     new_dir = tmp_path / "new"
-    start = time.perf_counter()                                 # the kills' moments scale with a whole run
-    assert not kill_at([*argv[:-3], new_dir, "--lr", "2e-3"], 600)
-    whole = time.perf_counter() - start
+    assert cli(*argv[:-3], new_dir, "--lr", "2e-3").code == 0
     new = load_file(str(new_dir / "model.safetensors"))
     assert not same_tensors(old, new)
     shutil.copytree(out, tmp_path / "old_copy")
+    staging = f"{out.name}.tmp."                              # the folder a checkpoint is written in first
+
+    def writing():
+        return any(p.name.startswith(staging) for p in tmp_path.iterdir())
+
+    def weights_written():
+        return any(p.name.startswith(staging) and (p / "model.safetensors").exists() for p in tmp_path.iterdir())
+
+    def swapping():
+        return (tmp_path / f"{out.name}.old").exists() or not out.exists()
+
     seen, killed = set(), 0
-    for delay in (0.4 * whole, 0.6 * whole, 0.75 * whole, 0.9 * whole, 3 * whole):
+    # Killed while it imports and computes (at 2 s and 4 s; a run takes longer), as soon as it starts
+    # writing, once the weights are written, during the swap of the folders (if a poll catches it),
+    # and never.
+    for when in (lambda: time.perf_counter() - start > 2.0, lambda: time.perf_counter() - start > 4.0,
+                 writing, weights_written, swapping, lambda: False):
         shutil.rmtree(out)
         shutil.copytree(tmp_path / "old_copy", out)
-        killed += kill_at([*argv[:-1], "2e-3"], delay)
+        start = time.perf_counter()
+        killed += kill_when([*argv[:-1], "2e-3"], when)
         files.recover_dir(str(out))                           # what the next stage run does first
         now = load_file(str(out / "model.safetensors"))
-        assert same_tensors(now, old) or same_tensors(now, new), delay
+        assert same_tensors(now, old) or same_tensors(now, new), killed
         seen.add("new" if same_tensors(now, new) else "old")
         assert json.load(open(out / "metrics.json"))["optimizer_steps"] >= 1
         load_file(str(out / "optimizer.safetensors"))
