@@ -66,7 +66,7 @@ def reward_spread(rewards, group_size, skipped=None):
     rewards [N] -> dict of floats."""
     r = rewards.double().reshape(-1, group_size)                            # [B, G]
     valid = torch.ones_like(r, dtype=torch.bool) if skipped is None else ~skipped.reshape(r.shape)
-    zero = no_signal_groups(r, valid) if group_size > 1 else all_equal_groups(r)   # [B]
+    zero = no_signal_groups(r, valid)                                       # [B]
     std = group_mean_std(r, valid)[1][:, 0]                                 # [B]
     q = torch.quantile(std, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=std.dtype)).tolist()
     return {"frac_zero_std": zero.double().mean().item(), "std_min": q[0], "std_q25": q[1],
