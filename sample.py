@@ -22,6 +22,9 @@ Choices where the paper and FORMATS.md are silent:
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
+- The G rows of a group share their prompt: each distinct prompt of a micro-batch is prefilled
+  once and its KV cache expanded to its rows (modeling.prefill), and the reference and critic
+  passes run the same way; --no-prefix-sharing runs every row's own prompt, for the same numbers.
 - completion_mask is true up to and including the first EOS (any of the tokenizer's and the
   model's EOS ids); it never looks at the pad id, which a model may sample as an ordinary token.
   Ids after the first EOS are the pad id; T is trimmed to the longest completion.
@@ -56,6 +59,10 @@ def build_parser():
     p.add_argument("--critic", default=None,
                    help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
+    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill each distinct prompt once and expand its KV cache to its G rows, in the\n"
+                        "sampler, --ref-model and --critic (default); --no-prefix-sharing: every row its\n"
+                        "own prompt (the reference path; the same completions and log-probs)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     add_runtime_flags(p)
@@ -86,27 +93,23 @@ def select_records(path, start, num_prompts):
 
 @torch.inference_mode()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids, pad_id,
-                       generator, progress=None):
+                       generator, progress=None, share_prefix=True):
     """Draw one completion per row: token t ~ softmax(logits_t / τ).
 
     prompt_ids/prompt_mask [n, P]. Returns completion_ids [n, T], completion_mask [n, T],
     logprobs [n, T] (at τ) and truncated [n], with T <= max_new_tokens.
     """
-    from transformers import DynamicCache
-
     n = prompt_ids.shape[0]
     eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
-    attention_mask = prompt_mask.long()                                               # [n, P]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                       # [n, P]
-    cache = DynamicCache(config=model.config)
-    with modeling.autocast(prompt_ids.device):
-        out = model(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+    # Each distinct prompt once, its KV cache expanded to its rows (or every row's own prompt).
+    prefilled = share_prefix and modeling.prefill(model, prompt_ids, prompt_mask)
+    out, cache, attention_mask, position_ids = prefilled or modeling.prefill(model, prompt_ids, prompt_mask,
+                                                                            share_prefix=False)
     next_position = position_ids[:, -1:] + 1                                          # [n, 1]
     finished = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)             # EOS already sampled
     tokens, masks, logprobs = [], [], []
     for _ in range(max_new_tokens):
-        logits = out.logits[:, -1].float()                                            # [n, V]
+        logits = out[:, -1].float()                                                   # [n, V]
         probs = torch.softmax(logits / temperature, dim=-1)                           # [n, V]
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)          # [n]
         logprobs.append(modeling.logprobs_from_logits(logits, token, temperature))   # log π_old, [n]
@@ -120,7 +123,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
         with modeling.autocast(prompt_ids.device):
             out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                        past_key_values=cache, use_cache=True)
+                        past_key_values=cache, use_cache=True).logits
         next_position = next_position + 1
     completion_mask = torch.stack(masks, dim=1)                                       # [n, T]
     completion_ids = torch.stack(tokens, dim=1)                                       # [n, T]
@@ -179,7 +182,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
         for rows in distributed.row_slices(N, args.micro_batch_size):
             ids, mask, logp, truncated = sample_completions(
                 policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
-                eos_ids, tokenizer.pad_token_id, generator, progress=bar)
+                eos_ids, tokenizer.pad_token_id, generator, progress=bar, share_prefix=args.prefix_sharing)
             for key, value in zip(chunks, (ids, mask, logp, truncated)):
                 chunks[key].append(value)
     tensors = {
@@ -191,9 +194,10 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
     }
     if ref_model is not None:
         tensors["ref_logprobs"] = modeling.rollout_logprobs(ref_model, tensors, args.temperature,
-                                                            args.micro_batch_size)             # [N, T]
+                                                            args.micro_batch_size, args.prefix_sharing)
     if critic is not None:
-        tensors["values"] = modeling.rollout_values(critic, tensors, args.micro_batch_size)      # [N, T]
+        tensors["values"] = modeling.rollout_values(critic, tensors, args.micro_batch_size,
+                                                    args.prefix_sharing)                       # [N, T]
 
     samples = []
     for row in range(N):

@@ -80,6 +80,8 @@ class Config:
     minibatch_size: int = knob(0, "completions per optimizer step; 0 = all")
     micro_batch_size: int = knob(0, "rows per forward pass of every stage; 0 = all")
     gradient_checkpointing: bool = knob(False, "the update recomputes activations in the backward pass")
+    prefix_sharing: bool = knob(True, "each distinct prompt computed once per micro-batch in sampling, the "
+                                      "reference pass and the update (the same numbers)")
     max_bad_steps: int = knob(5, "non-finite steps the whole run may skip before it stops")
     max_grad_norm: float = knob(1.0, "gradient clipping (policy and critic)")
     weight_decay: float = knob(0.0, "AdamW weight decay")
@@ -129,7 +131,7 @@ CONFIGS = {
 }
 # What --resume may change: nothing that alters the iterations already done.
 RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp",
-             "gradient_checkpointing"}
+             "gradient_checkpointing", "prefix_sharing"}
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
 
 
@@ -253,20 +255,20 @@ def stage_args(script, cfg, it_dir, slot, i, paths, commands):
                              critic_out=os.path.join(policy_out, "critic") if critic else None,
                              seed=cfg.seed * 1_000_003 + i,
                              total_steps=cfg.iterations * cfg.epochs * minibatches)}
-    stage = STAGES[script]
-    shared = {a.dest: getattr(cfg, a.dest) for a in stage.build_parser()._actions
+    parser = STAGES[script].build_parser()
+    shared = {a.dest: getattr(cfg, a.dest) for a in parser._actions
               if hasattr(cfg, a.dest) and a.dest not in own[script]}
     argv = []
     for name, value in {**own[script], **shared}.items():
-        if value is None or value == [] or (value is False and name != "whiten"):   # the stage's default
-            continue
+        if value is None or value == [] or (isinstance(value, bool) and value == parser.get_default(name)):
+            continue                                                               # the stage's default
         argv.append(("--" if value is not False else "--no-") + name.replace("_", "-"))
         if isinstance(value, list):
             argv += map(str, value)
         elif not isinstance(value, bool):
             argv.append(str(value))
     commands.append(["python", script, *argv])
-    return stage.parse_args(argv)
+    return STAGES[script].parse_args(argv)
 
 
 @dataclass

@@ -39,11 +39,16 @@ Choices where the paper and FORMATS.md are silent:
   --minibatch-size completions, one AdamW step each. A minibatch runs in micro-batches of
   --micro-batch-size rows whose losses carry the minibatch's normaliser, so the gradient does not
   depend on the split; under torchrun the ranks share each minibatch the same way.
+- Each distinct prompt of a micro-batch (equal ids under the mask) runs once, and its rows'
+  completions attend to its cached keys and values (modeling.completion_outputs); the backward pass
+  sums their gradients into it. --no-prefix-sharing gives every row its own prompt: the same loss,
+  metrics and gradients to rounding.
 - Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step; gradients are
   clipped to --max-grad-norm; a row with no completion token is an error.
 - --out DIR is replaced as a unit, so it must be new, empty, or an earlier checkpoint.
 """
 
+import argparse
 import json
 import math
 import os
@@ -54,7 +59,7 @@ import torch
 from tqdm import tqdm
 
 from grpo import checkpoints, diagnostics, distributed, files, modeling
-from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn
+from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn, warn_once
 
 
 def build_parser():
@@ -102,6 +107,10 @@ def build_parser():
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer's activations in the backward pass instead of keeping them:\n"
                         "less memory, about one more forward pass of time; the same numbers")
+    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each distinct prompt of a micro-batch once and let its completions attend to\n"
+                        "its keys and values (default); --no-prefix-sharing: each row's prompt its own\n"
+                        "(the reference path; the same numbers). Off under --gradient-checkpointing")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
@@ -131,6 +140,10 @@ def parse_args(argv=None):
         raise StageError("--critic and --critic-out go together: the critic read and the critic written")
     if args.critic_lr is None:
         args.critic_lr = 10 * args.lr
+    if args.prefix_sharing and args.gradient_checkpointing:
+        warn_once("update: no prefix sharing under --gradient-checkpointing (transformers' checkpointed "
+                  "layers take no KV cache); each row computes its own prompt")
+        args.prefix_sharing = False
     if args.old_logprobs is None:   # bf16 autocast on a GPU makes the sampler's and the update's differ
         args.old_logprobs = "recompute" if distributed.pick_device(args.device).type == "cuda" else "sampler"
     return args
@@ -192,7 +205,7 @@ def micro_batch_loss(policy, batch, advantages, num_seqs, num_tokens, args):
     mask, loss_mask = batch["completion_mask"], batch["loss_mask"]             # [n, T]
     logp, entropy = modeling.completion_logprobs(
         policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask, args.temperature,
-        with_entropy=True, entropy_grad=args.entropy_coef != 0)                # log π_θ, H   [n, T]
+        with_entropy=True, entropy_grad=args.entropy_coef != 0, share_prefix=args.prefix_sharing)  # [n, T]
     token_loss, terms = grpo_token_loss(
         logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages, mask, args.beta, args.clip_eps,
         args.clip_eps_high, args.dual_clip, args.ratio_level, args.kl_estimator, entropy, args.entropy_coef)
@@ -222,7 +235,7 @@ def micro_batch_value_loss(critic, batch, num_seqs, num_tokens, args):
     """This micro-batch's share of the minibatch's value loss (aggregated like the policy loss, over the
     tokens of loss_mask), and the per-token terms of its metrics."""
     V = modeling.completion_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                   batch["completion_mask"])                                  # V_t [n, T]
+                                   batch["completion_mask"], args.prefix_sharing)             # V_t [n, T]
     token_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
     loss = aggregate(token_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
     return loss, {"value_loss": loss.detach(), "value": V.detach(), "value_clipped": clipped}
@@ -341,7 +354,7 @@ def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, ret
     if args.old_logprobs == "recompute":
         # Every rank computes all rows: under FSDP each forward is a collective.
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature,
-                                                             args.micro_batch_size).cpu()      # [N, T]
+                                                             args.micro_batch_size, args.prefix_sharing).cpu()
     optimizers = [optimizer] + ([critic.optimizer] if critic else [])
     generator = torch.Generator().manual_seed(args.seed)
     minibatches = distributed.row_slices(N, args.minibatch_size)

@@ -51,3 +51,13 @@ def warn(message):
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stderr)
+
+
+_WARNED = set()
+
+
+def warn_once(message):
+    """warn(), but a message this process has printed already is not printed again."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warn(message)

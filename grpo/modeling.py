@@ -6,13 +6,15 @@ the same `logprobs_from_logits`, so π_old, π_ref and π_θ are computed the sa
 """
 
 import contextlib
+import inspect
 import os
 import re
+import weakref
 
 import torch
 
 from grpo import distributed, files
-from grpo.cli import StageError
+from grpo.cli import StageError, warn_once
 from grpo.distributed import row_slices
 
 
@@ -259,37 +261,42 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def _joined(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Prompt and completion as one batch for a full forward pass, without the padding columns that no
-    row uses (they cost compute and change nothing). Returns the model's inputs, the completion's ids
-    and mask [n, T'] and T', the columns kept. Position ids count real tokens only, so left padding
-    does not move them."""
-    first = int(prompt_mask.any(0).long().argmax())
+def completion_outputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=False):
+    """The model's outputs at the positions whose logits give each completion token (the last prompt
+    token's for t = 0): [n, T', ...] with T' the completion columns any row uses, and the completion's
+    ids and mask cut to [n, T'].
+
+    With share_prefix, each distinct prompt runs once and the completions attend to its cached keys
+    and values (shared_prefix_outputs); otherwise, and for a model that cannot, prompt and completion
+    run as one sequence per row, without the padding columns no row uses. Position ids count real
+    tokens only, so left padding does not move them."""
     T = int(completion_mask.any(0).nonzero().max()) + 1 if completion_mask.any() else 1
-    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]                 # [n, P']
     completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]         # [n, T']
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                   # [n, P'+T']
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()     # [n, P'+T']
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                  # [n, P'+T']
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-              "use_cache": False}
-    return inputs, completion_ids, completion_mask, T
+    outputs = None
+    if share_prefix:
+        outputs = shared_prefix_outputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if outputs is None:
+        first = int(prompt_mask.any(0).long().argmax())
+        input_ids = torch.cat([prompt_ids[:, first:], completion_ids], dim=1)                  # [n, P'+T']
+        attention_mask = torch.cat([prompt_mask[:, first:], completion_mask], dim=1).long()    # [n, P'+T']
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                           # [n, P'+T']
+        with autocast(completion_ids.device):
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, **_keep_last(model, T + 1)).logits[:, -(T + 1):-1]
+    return outputs, completion_ids, completion_mask
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                        with_entropy=False, entropy_grad=False):
+                        with_entropy=False, entropy_grad=False, share_prefix=False):
     """Per-token log-probs of the completions under `model` at temperature τ, 0 where the mask is false.
 
     prompt_ids/prompt_mask [n, P] (left-padded), completion_ids/completion_mask [n, T].
     Returns logp [n, T] and, with `with_entropy`, the entropy of each next-token distribution [n, T]
-    (detached, unless `entropy_grad`).
+    (detached, unless `entropy_grad`). share_prefix: see completion_outputs.
     """
     T_full = completion_ids.shape[1]
-    inputs, completion_ids, completion_mask, T = _joined(prompt_ids, prompt_mask, completion_ids,
-                                                         completion_mask)
-    # Only the last T'+1 positions' logits are needed; the last one predicts past the end.
-    with autocast(completion_ids.device):
-        logits = model(**inputs, logits_to_keep=T + 1).logits[:, :-1]            # [n, T', V]
+    logits, completion_ids, completion_mask = completion_outputs(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix)       # [n, T', V]
     out = logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad)
     logp, entropy = out if with_entropy else (out, None)                         # [n, T']
     logp = pad_columns(logp.masked_fill(~completion_mask, 0.0), T_full)          # [n, T]
@@ -298,40 +305,120 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return logp, pad_columns(entropy.masked_fill(~completion_mask, 0.0), T_full)
 
 
-def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=False):
     """V_t of the PPO critic for every completion token: its output at the position whose logits give
     token t under the policy (the last prompt token for t = 0), the alignment of the log-probs.
     Shapes as completion_logprobs; [n, T] float32, 0 where the mask is false."""
     T_full = completion_ids.shape[1]
-    inputs, completion_ids, completion_mask, T = _joined(prompt_ids, prompt_mask, completion_ids,
-                                                         completion_mask)
-    with autocast(completion_ids.device):
-        values = critic(**inputs).logits[:, -(T + 1):-1, 0].float()             # [n, T']
+    values, _, completion_mask = completion_outputs(critic, prompt_ids, prompt_mask, completion_ids,
+                                                    completion_mask, share_prefix)
+    values = values[..., 0].float()                                              # [n, T']
     return pad_columns(values.masked_fill(~completion_mask, 0.0), T_full)        # [n, T]
 
 
 @torch.no_grad()
-def rollout_logprobs(model, rollouts, temperature, micro_batch_size):
+def rollout_logprobs(model, rollouts, temperature, micro_batch_size, share_prefix=False):
     """log-probs of every completion token of a rollouts dict under `model`, without gradients, in
     passes of at most `micro_batch_size` rows: sample.py's log π_ref, update.py's recomputed log π_old.
     [N, T] on the model's device."""
-    return _in_passes(completion_logprobs, model, rollouts, micro_batch_size, temperature)
+    return _in_passes(completion_logprobs, model, rollouts, micro_batch_size, temperature,
+                      share_prefix=share_prefix)
 
 
 @torch.no_grad()
-def rollout_values(critic, rollouts, micro_batch_size):
+def rollout_values(critic, rollouts, micro_batch_size, share_prefix=False):
     """The critic's V_t for every completion token of a rollouts dict (sample.py --critic), as
     rollout_logprobs. [N, T] on the critic's device."""
-    return _in_passes(completion_values, critic, rollouts, micro_batch_size)
+    return _in_passes(completion_values, critic, rollouts, micro_batch_size, share_prefix=share_prefix)
 
 
-def _in_passes(per_token, model, rollouts, micro_batch_size, *args):
+def _in_passes(per_token, model, rollouts, micro_batch_size, *args, **kwargs):
     device = next(model.parameters()).device
     keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    return torch.cat([per_token(model, *(rollouts[k][rows].to(device) for k in keys), *args)
+    return torch.cat([per_token(model, *(rollouts[k][rows].to(device) for k in keys), *args, **kwargs)
                       for rows in row_slices(len(rollouts["prompt_ids"]), micro_batch_size)])
+
+
+def _keep_last(model, n):
+    """logits_to_keep=n for a model whose forward takes it (a causal LM: no [n, P, V] logits for the
+    prompt), nothing for one that does not (a token-classification critic, whose outputs are small)."""
+    forward = distributed.unwrap(model).forward
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(forward).parameters else {}
 
 
 def pad_columns(x, width, value=0.0):
     """Right-pad x [n, t] with `value` to [n, width]."""
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+
+# ----------------------------------------------------------------------------------------
+# Prefix sharing: each distinct prompt computed once, its keys and values expanded to its rows
+
+def distinct_prompts(prompt_ids, prompt_mask):
+    """The rows' distinct prompts: the index of one row per prompt [U] and each row's prompt [n].
+    Rows share a prompt when their ids under the mask are equal (group_ids are not trusted)."""
+    key = prompt_ids.masked_fill(~prompt_mask, -1)                                # [n, P]
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)                   # [n] in 0..U−1
+    first = torch.full((int(inverse.max()) + 1,), len(inverse), device=inverse.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin")
+    return first, inverse
+
+
+_UNSHAREABLE = weakref.WeakSet()       # models that turned out not to take a KV cache this way
+
+
+def prefill(model, prompt_ids, prompt_mask, share_prefix=True):
+    """Run the prompts into a KV cache for their rows: each distinct prompt once, its keys and values
+    then gathered to the rows that have it (so the backward pass sums the rows' gradients into it),
+    or with share_prefix False every row's own.
+
+    Returns the model's output at each row's last prompt token [n, 1, ...], the cache (n rows), and
+    the attention mask [n, P'] and position ids [n, P'] of the prompt columns any row uses; or None
+    when sharing was asked for but the model's forward does not fill a plain DynamicCache (one
+    warning, then the caller's unshared path)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    bare = distributed.unwrap(model)
+    if share_prefix and bare in _UNSHAREABLE:
+        return None
+    first_column = int(prompt_mask.any(0).long().argmax())
+    prompt_ids, prompt_mask = prompt_ids[:, first_column:], prompt_mask[:, first_column:]       # [n, P']
+    rows, inverse = distinct_prompts(prompt_ids, prompt_mask) if share_prefix else (slice(None), None)
+    attention_mask = prompt_mask.long()                                                         # [n, P']
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                                 # [n, P']
+    cache = DynamicCache(config=bare.config)
+    inputs = {"input_ids": prompt_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    with autocast(prompt_ids.device):
+        out = model(**{k: v[rows] for k, v in inputs.items()}, past_key_values=cache, use_cache=True,
+                    **_keep_last(model, 1))
+    last = out.logits[:, -1:]                                                        # [U, 1, ...]
+    if not share_prefix:
+        return last, cache, attention_mask, position_ids
+    if cache.get_seq_length() != prompt_ids.shape[1] or any(type(layer) is not DynamicLayer
+                                                            for layer in cache.layers):
+        _UNSHAREABLE.add(bare)
+        warn_once(f"prefix sharing: {type(bare).__name__} does not fill a plain KV cache that rows can "
+                  f"share; computing each row's prompt itself (as --no-prefix-sharing)")
+        return None
+    cache.reorder_cache(inverse)                                      # index_select: rows ← their prompt
+    return last[inverse], cache, attention_mask, position_ids
+
+
+def shared_prefix_outputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The model's outputs at the positions whose logits give completion tokens 0..T−1 ([n, T, ...]),
+    with each distinct prompt computed once (prefill) and the completions run on its cache; None
+    where the model cannot share (completion_outputs then runs the full sequences)."""
+    prefilled = prefill(model, prompt_ids, prompt_mask)
+    if prefilled is None:
+        return None
+    last, cache, prompt_attention, _ = prefilled
+    T = completion_ids.shape[1]
+    if T == 1:                                         # the last prompt token alone predicts the token
+        return last
+    attention_mask = torch.cat([prompt_attention, completion_mask.long()], dim=1)         # [n, P'+T]
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, prompt_attention.shape[1]:]  # [n, T]
+    with autocast(completion_ids.device):
+        out = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                    position_ids=positions[:, :-1], past_key_values=cache, use_cache=True)
+    return torch.cat([last, out.logits], dim=1)                                     # [n, T, ...]

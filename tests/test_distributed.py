@@ -98,7 +98,8 @@ def test_score_under_torchrun_writes_what_one_process_writes(files, tmp_path):
 @pytest.mark.parametrize("loss_agg, fsdp", [("seq", False), ("token", False), ("dr_grpo", False), ("token", True),
                                             ("seq", True)])
 def test_update_under_torchrun_takes_the_one_process_step(models, files, tmp_path, loss_agg, fsdp):
-    """Same files → same loss, grad_norm (1e-5), weights and AdamW state after 4 steps. Minibatches of
+    """Same files → same loss, grad_norm (1e-5), weights and AdamW state after 4 steps, two ranks sharing
+    each prompt's prefix against one process that does not. Minibatches of
     6 and micro-batches of 2 split 3/3 (and the last minibatch 1/1) across the ranks; with --fsdp
     the second run continues from the first's optimizer state."""
     args = ["--rollouts", files["rollouts"], "--advantages", files["advantages"], "--lr", 1e-4, "--loss-agg", loss_agg,
@@ -108,7 +109,8 @@ def test_update_under_torchrun_takes_the_one_process_step(models, files, tmp_pat
         assert cli("update.py", "--model", start, *args, "--out", tmp_path / "start").code == 0
         start = tmp_path / "start"
     ok(torchrun("update.py", "--model", start, *args, "--out", tmp_path / "two", *(["--fsdp"] if fsdp else [])))
-    assert cli("update.py", "--model", start, *args, "--out", tmp_path / "one").code == 0
+    # One process on the unshared path: the prefix sharing of the two ranks is checked against it too.
+    assert cli("update.py", "--model", start, *args, "--out", tmp_path / "one", "--no-prefix-sharing").code == 0
     one, two = (json.load(open(tmp_path / name / "metrics.json")) for name in ("one", "two"))
     assert one["optimizer_steps"] == two["optimizer_steps"] >= 4
     assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)

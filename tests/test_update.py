@@ -255,7 +255,8 @@ def test_out_folder_with_other_files_is_refused_and_dr_grpo_needs_l_max(models, 
 
 def test_gradient_checkpointing_recomputes_and_takes_the_same_step(models, rollout_dir):
     """With --gradient-checkpointing each decoder layer runs twice per micro-batch (forward, then again
-    in the backward pass), the step is the same, and afterwards the layers are out of training mode
+    in the backward pass), the step is the same (as that of the unshared path, which checkpointing
+    takes), and afterwards the layers are out of training mode
     and checkpointing is off (so sampling keeps its KV cache)."""
     rollouts = rollouts_of(rollout_dir)
     adv = torch.linspace(-1.5, 1.5, rollouts["group_ids"].numel())
@@ -270,7 +271,8 @@ def test_gradient_checkpointing_recomputes_and_takes_the_same_step(models, rollo
     for on in (False, True):
         calls.clear()
         args = update.parse_args(["--model", "m", "--rollouts", "r", "--advantages", "a", "--out", "o",
-                                  "--lr", "1e-3", "--micro-batch-size", "4"] + ["--gradient-checkpointing"] * on)
+                                  "--lr", "1e-3", "--micro-batch-size", "4", "--no-prefix-sharing"]
+                                 + ["--gradient-checkpointing"] * on)
         args.temperature = 0.7
         policy = counting_load(models["policy"], "cpu")
         metrics = update.train_policy(policy, checkpoints.adamw(policy, args.lr), rollouts, adv, args)
