@@ -1,31 +1,38 @@
-"""What one GRPO iteration of this project costs, against the bare floor for the same work.
+"""What one GRPO iteration costs, with and without prefix sharing, against the naive floor.
 
-    python benchmarks/iteration.py                    # SmolLM2-135M-Instruct (the default model)
-    python benchmarks/iteration.py --model DIR        # any local checkpoint folder
+    python benchmarks/iteration.py                  # both tables, SmolLM2-135M-Instruct
+    python benchmarks/iteration.py --table 1        # the default job's shape only
+    python benchmarks/iteration.py --table 2        # how the saving grows with G and the prompt
+    python benchmarks/iteration.py --model DIR      # any local checkpoint folder
 
-The configuration is fixed: B = 2 prompts × G = 8 completions, exactly 32 new tokens each (EOS does
-not end a completion on either side), τ = 0.7, β = 0.01, μ = 1, one AdamW step per iteration.
+Table 1, the default job's shape: B = 4 arithmetic chat prompts × G = 8, exactly 24 new tokens each
+(EOS does not end a completion on either side), τ = 0.7, β = 0.01, μ = 1, one AdamW step.
+- The project, twice: `python train.py` in a child process, exactly as a user runs it (sample →
+  score → advantage → update, every stage file written, policy/ saved every --save-every
+  iterations in the background), once as it is and once with --no-prefix-sharing. Each stage's
+  seconds come from its iter_XXXX/metrics.json. The iteration time is taken over one save cycle
+  after --warmup: the median iteration, plus the cycle's excess over that median spread over the
+  cycle (what the save costs a run).
+- The naive floor, in this process, with no framework around it: one `model.generate` call for the
+  N rows (min_new_tokens = max_new_tokens), one reference forward and one policy forward +
+  backward + AdamW step over the padded rows. Median of --floor-reps, half of them before the
+  project's runs and half after.
+- The sampler alone on the same batch, in this process: tokens per second of
+  sample.sample_completions with and without sharing and of `model.generate` (median of
+  --floor-reps each).
 
-- The project: `python train.py` at that configuration, in a child process, exactly as a user runs
-  it (sample → score → advantage → update, every stage file written, policy/ saved every
-  --save-every iterations, in the background). Each stage's seconds come from its
-  iter_XXXX/metrics.json. The iteration time is taken over one whole save cycle after --warmup
-  (--save-every iterations, one of which saves): the median iteration, plus the cycle's excess over
-  save_every medians spread over the cycle, which is what the save costs a run (the slower
-  iterations while the saver's thread writes, and any wait for it before an update).
-- The floor, in this process, with no framework around it: one `model.generate` call for the 16
-  completions (min_new_tokens = max_new_tokens = 32), one reference forward, one policy forward +
-  backward + AdamW step on the same tokens. Median over the same number of repetitions, half of
-  them run before the project's run and half after.
+Table 2, how the saving grows: one prompt of about 40, 200 or 800 tokens (the arithmetic question
+after a filler passage) × G = 4, 8, 16 completions of 24 tokens. Each cell and path runs in its own
+child process: the project's sampler (with the reference pass), then one update.train_policy step
+(forward, backward, AdamW); its seconds and the child's peak RSS (two copies of the model and
+AdamW's state included).
 
-Prints a table, then one JSON line with iteration_s, floor_s, ratio_to_floor, io_share,
-peak_rss_mb (the project's process) and the per-stage numbers.
+Prints the tables, then one JSON line with everything measured.
 """
 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,43 +44,44 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from grpo import builders, distributed, files, modeling, tasks  # noqa: E402
+import sample  # noqa: E402
+import update  # noqa: E402
+from grpo import builders, checkpoints, distributed, files, modeling, tasks  # noqa: E402
 
-B, G, T, TAU, BETA = 2, 8, 32, 0.7, 0.01
+B, G, T, TAU, BETA = 4, 8, 24, 0.7, 0.01
+SCALING_G, SCALING_P = (4, 8, 16), (40, 200, 800)
+FILLER = "The museum keeps its maps in a cool room, and visitors may look at them on Tuesdays. "
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--floor-reps", type=int, default=6, help="measured repetitions of the floor (default 6)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="iterations not measured (default 2: the first two allocate AdamW's state and buffers)")
-    p.add_argument("--save-every", type=int, default=10, help="train.py's --save-every (default 10, its default)")
+    p.add_argument("--table", type=int, choices=[1, 2], default=None, help="one table only (default: both)")
+    p.add_argument("--floor-reps", type=int, default=4, help="measured repetitions of the floor (default 4)")
+    p.add_argument("--warmup", type=int, default=1, help="train.py iterations not measured (default 1)")
+    p.add_argument("--save-every", type=int, default=5, help="train.py's --save-every, the cycle measured (5)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--cell", nargs=3, type=int, metavar=("P", "G", "SHARE"), help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-def run_project(args, model, run_dir):
-    """train.py in a child process; returns (its iteration metrics, its peak RSS in MB)."""
-    total = args.warmup + args.save_every + 1          # one save cycle, then the last iteration (which always saves)
-    argv = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--run-dir", run_dir,
-            "--iterations", str(total), "--num-prompts", str(B), "--group-size", str(G), "--max-new-tokens", str(T),
-            "--temperature", str(TAU), "--beta", str(BETA), "--epochs", "1", "--eval-every", "0", "--ignore-eos",
-            "--save-every", str(args.save_every), "--device", args.device]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    stderr = proc.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"train.py failed:\n{stderr}")
-    metrics = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
-    return metrics, usage.ru_maxrss / 1024
+def chat_prompt(tokenizer, record, length=None):
+    """The record's chat prompt as token ids; with `length`, a filler passage before the question
+    brings it to about that many tokens."""
+    messages = record["messages"]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    if length and length > len(ids):
+        filler = tokenizer(FILLER * length, add_special_tokens=False)["input_ids"][:length - len(ids) - 2]
+        messages = [{**messages[-1], "content": tokenizer.decode(filler) + "\n\n" + messages[-1]["content"]}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    return list(ids)
 
 
-def prompt_batch(tokenizer, device):
+def prompt_batch(tokenizer, device, num_prompts, group_size, length=None):
     train, _, _ = tasks.make_task("arithmetic", 0)
-    texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in train[:B]]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return enc["input_ids"].repeat_interleave(G, 0).to(device), enc["attention_mask"].repeat_interleave(G, 0).to(device)
+    ids, mask = modeling.left_pad([chat_prompt(tokenizer, r, length) for r in train[:num_prompts]],
+                                  tokenizer.pad_token_id)
+    return ids.repeat_interleave(group_size, 0).to(device), mask.repeat_interleave(group_size, 0).to(device)
 
 
 def sync(device):
@@ -86,12 +94,12 @@ def floor_once(policy, ref, optimizer, prompt_ids, prompt_mask, device):
     times = {}
     t = time.perf_counter()
     with torch.inference_mode():
-        seqs = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=TAU,
-                               top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
+        seqs = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), do_sample=True,
+                               temperature=TAU, top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
     sync(device)
     times["sample"] = time.perf_counter() - t
     seqs = seqs.clone()                                                   # [N, P + T], leave inference mode
-    mask = torch.cat([prompt_mask, torch.ones_like(seqs[:, prompt_ids.shape[1]:])], 1)
+    mask = torch.cat([prompt_mask.long(), torch.ones_like(seqs[:, prompt_ids.shape[1]:])], 1)
     t = time.perf_counter()
     with torch.inference_mode():
         ref_logits = ref(input_ids=seqs, attention_mask=mask, logits_to_keep=T + 1).logits[:, :-1]
@@ -114,67 +122,169 @@ def floor_once(policy, ref, optimizer, prompt_ids, prompt_mask, device):
     return times
 
 
-def main():
-    args = parse_args()
-    model_dir = args.model or builders.default_model_dir()
-    device = distributed.pick_device(args.device)
+def sampler_rates(policy, prompt_ids, prompt_mask, pad_id, reps, device):
+    """Tokens per second of the project's sampler (shared, unshared) and of generate, same batch."""
+    seconds = {"shared": [], "unshared": [], "generate": []}
+    for _ in range(reps):
+        for name in seconds:
+            t = time.perf_counter()
+            if name == "generate":
+                with torch.inference_mode():
+                    policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), do_sample=True,
+                                    temperature=TAU, top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
+            else:
+                sample.sample_completions(policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
+                                          torch.Generator(device=device).manual_seed(0),
+                                          share_prefix=name == "shared")
+            sync(device)
+            seconds[name].append(time.perf_counter() - t)
+    return {name: prompt_ids.shape[0] * T / statistics.median(s) for name, s in seconds.items()}
 
+
+def run_project(args, model, run_dir, share):
+    """train.py in a child process; returns its iteration time, per-stage medians and peak RSS."""
+    total = args.warmup + args.save_every + 1          # one save cycle, then the last iteration (which always saves)
+    argv = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--run-dir", run_dir,
+            "--iterations", str(total), "--num-prompts", str(B), "--group-size", str(G), "--max-new-tokens", str(T),
+            "--temperature", str(TAU), "--beta", str(BETA), "--epochs", "1", "--eval-every", "0", "--ignore-eos",
+            "--save-every", str(args.save_every), "--device", args.device] + ([] if share else ["--no-prefix-sharing"])
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    stderr = proc.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"train.py failed:\n{stderr}")
+    metrics = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
+    cycle = metrics[args.warmup:args.warmup + args.save_every]
+    assert sum(m["iteration"] + 1 == args.save_every for m in cycle) == 1
+    keys = {"sample (with the reference pass)": "perf/sample_s", "score": "perf/score_s", "update": "perf/update_s",
+            "write stage files": "perf/io_s"}
+    stages = {name: statistics.median(m[key] for m in cycle) for name, key in keys.items()}
+    stages["other (advantage, metrics)"] = statistics.median(
+        m["perf/iteration_s"] - m["perf/checkpoint_s"] - sum(m[k] for k in keys.values()) for m in cycle)
+    loop_s = statistics.median(m["perf/iteration_s"] for m in cycle)
+    excess = statistics.mean(m["perf/iteration_s"] for m in cycle) - loop_s
+    stages["save policy/ (amortised)"] = max(excess, statistics.mean(m["perf/checkpoint_s"] for m in cycle))
+    iteration_s = loop_s + stages["save policy/ (amortised)"]
+    io_share = (stages["write stage files"] + stages["save policy/ (amortised)"]) / iteration_s
+    return {"iteration_s": iteration_s, "stages_s": stages, "io_share": io_share, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def table_1(args, model_dir, device):
     tokenizer = modeling.load_tokenizer(model_dir)
     policy, ref = modeling.load_model(model_dir, device), modeling.load_model(model_dir, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-    prompt_ids, prompt_mask = prompt_batch(tokenizer, device)
+    prompt_ids, prompt_mask = prompt_batch(tokenizer, device, B, G)
 
     def floor_runs(n):
         return [floor_once(policy, ref, optimizer, prompt_ids, prompt_mask, device) for _ in range(n)]
 
-    # Half the floor's repetitions before the project's run and half after, so that a machine that
+    # Half the floor's repetitions before the project's runs and half after, so that a machine that
     # slows down or speeds up over the minutes of the benchmark weighs on both sides alike.
-    floor_runs(args.warmup)
+    floor_runs(1)
     runs = floor_runs(args.floor_reps // 2)
     with tempfile.TemporaryDirectory(dir=ROOT) as scratch:
-        metrics, peak_rss_mb = run_project(args, model_dir, os.path.join(scratch, "run"))
+        project = {name: run_project(args, model_dir, os.path.join(scratch, name), share)
+                   for name, share in (("shared", True), ("unshared", False))}
     runs += floor_runs(args.floor_reps - args.floor_reps // 2)
     floor = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    floor_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rates = sampler_rates(policy, prompt_ids, prompt_mask, tokenizer.pad_token_id, args.floor_reps, device)
 
-    cycle = metrics[args.warmup:args.warmup + args.save_every]          # one save cycle
-    assert sum(m["iteration"] + 1 == args.save_every for m in cycle) == 1
-    keys = {"sample": "perf/sample_s", "score": "perf/score_s", "update": "perf/update_s", "write stage files": "perf/io_s"}
-    project = {name: statistics.median(m[key] for m in cycle) for name, key in keys.items()}
-    project["other (advantage, metrics)"] = statistics.median(
-        m["perf/iteration_s"] - m["perf/checkpoint_s"] - sum(m[k] for k in keys.values()) for m in cycle)
-    loop_s = statistics.median(m["perf/iteration_s"] for m in cycle)
-    # What the save adds to the cycle, spread over it; never less than the main thread's own part.
-    excess = statistics.mean(m["perf/iteration_s"] for m in cycle) - loop_s
-    project["save policy/ (amortised)"] = max(excess, statistics.mean(m["perf/checkpoint_s"] for m in cycle))
-    iteration_s = loop_s + project["save policy/ (amortised)"]
-    checkpoint_s = next(m["perf/checkpoint_s"] for m in cycle if m["iteration"] + 1 == args.save_every)
+    print(f"\nTable 1. model {model_dir}, device {device}, torch threads {torch.get_num_threads()}; B={B} × G={G}, "
+          f"prompts of {prompt_ids.shape[1]} tokens (padded), {T} new tokens; a save every {args.save_every} "
+          f"iterations after {args.warmup} warm-up; floor median of {args.floor_reps}")
+    print(f"{'stage':34s} {'shared s':>9s} {'unshared s':>10s} {'floor s':>9s}")
+    floor_of = {"sample (with the reference pass)": floor["sample"] + floor["reference"], "update": floor["update"]}
+    for name in project["shared"]["stages_s"]:
+        shown = f"{floor_of[name]:9.3f}" if name in floor_of else ""
+        print(f"{name:34s} {project['shared']['stages_s'][name]:9.3f} {project['unshared']['stages_s'][name]:10.3f} "
+              f"{shown:>9s}")
+    print(f"{'iteration':34s} {project['shared']['iteration_s']:9.3f} {project['unshared']['iteration_s']:10.3f} "
+          f"{floor['total']:9.3f}")
+    ratios = {name: p["iteration_s"] / floor["total"] for name, p in project.items()}
+    print(f"ratio to the floor: shared {ratios['shared']:.3f}, unshared {ratios['unshared']:.3f}; file I/O "
+          f"{project['shared']['io_share']:.1%} of the shared iteration; sampler tokens/s on this batch: shared "
+          f"{rates['shared']:.0f}, unshared {rates['unshared']:.0f}, generate {rates['generate']:.0f}; peak RSS "
+          f"{project['shared']['peak_rss_mb']:.0f} MB shared, {project['unshared']['peak_rss_mb']:.0f} MB unshared")
+    return {"project": project, "floor_s": floor, "ratio_to_floor": ratios, "sampler_tokens_per_s": rates,
+            "prompt_tokens": prompt_ids.shape[1]}
 
-    tokens = B * G * T
-    io_s = project["write stage files"] + project["save policy/ (amortised)"]
-    print(f"model {model_dir}, device {device}, torch threads {torch.get_num_threads()}; B={B} × G={G}, {T} tokens "
-          f"each; {args.save_every}-iteration save cycle after {args.warmup} warm-up, floor median of {args.floor_reps}")
-    print(f"{'stage':32s} {'project s':>10s} {'floor s':>10s}")
-    floor_of = {"sample": floor["sample"], "update": floor["update"]}
-    for name, seconds in project.items():
-        shown = f"{floor_of[name]:10.3f}" if name in floor_of else f"{'':10s}"
-        print(f"{name:32s} {seconds:10.3f} {shown}")
-    print(f"{'reference pass (in sample)':32s} {'':10s} {floor['reference']:10.3f}")
-    print(f"{'iteration':32s} {iteration_s:10.3f} {floor['total']:10.3f}")
-    print(f"ratio to floor {iteration_s / floor['total']:.3f}; file I/O {io_s / iteration_s:.1%} of the iteration "
-          f"(a save every {args.save_every} iterations: {checkpoint_s:.2f} s on the main thread, the rest in the "
-          f"background); sampling "
-          f"{tokens / project['sample']:.0f} tok/s (floor {tokens / floor['sample']:.0f}); peak RSS "
-          f"{peak_rss_mb:.0f} MB (floor process {floor_rss_mb:.0f} MB)")
-    print(json.dumps({
-        "iteration_s": round(iteration_s, 4), "floor_s": round(floor["total"], 4),
-        "ratio_to_floor": round(iteration_s / floor["total"], 4), "io_share": round(io_s / iteration_s, 4),
-        "peak_rss_mb": round(peak_rss_mb), "floor_peak_rss_mb": round(floor_rss_mb),
-        "checkpoint_s": round(checkpoint_s, 3), "save_every": args.save_every,
-        "tokens_per_s": round(tokens / project["sample"], 1), "floor_tokens_per_s": round(tokens / floor["sample"], 1),
-        "stages_s": {k: round(v, 4) for k, v in project.items()}, "floor_stages_s": {k: round(v, 4) for k, v in floor.items()},
-        "device": str(device), "model": model_dir,
-    }))
+
+def cell(model_dir, device, length, group_size, share):
+    """One cell of table 2 in this (child) process: sample with the reference pass, one update step."""
+    tokenizer = modeling.load_tokenizer(model_dir)
+    policy, ref = modeling.load_model(model_dir, device), modeling.load_model(model_dir, device)
+    prompt_ids, prompt_mask = prompt_batch(tokenizer, device, 1, group_size, length)
+    times = {}
+    t = time.perf_counter()
+    ids, mask, logp, truncated = sample.sample_completions(
+        policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
+        torch.Generator(device=device).manual_seed(0), share_prefix=share)
+    rollouts = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids.clone(),
+                "completion_mask": mask.clone(), "old_logprobs": logp.clone(), "truncated": truncated.clone(),
+                "group_ids": torch.zeros(len(ids), dtype=torch.long)}
+    rollouts["ref_logprobs"] = modeling.rollout_logprobs(ref, rollouts, TAU, 0, share).clone()
+    sync(device)
+    times["sample"] = time.perf_counter() - t
+    uargs = update.parse_args(["--model", model_dir, "--rollouts", "-", "--advantages", "-", "--out", "-",
+                               "--beta", str(BETA), "--temperature", str(TAU), "--old-logprobs", "sampler"]
+                              + ([] if share else ["--no-prefix-sharing"]))
+    rollouts = {k: v.cpu() for k, v in rollouts.items()}
+    advantages = torch.linspace(-1, 1, len(ids))
+    t = time.perf_counter()
+    update.train_policy(policy, checkpoints.adamw(policy, 1e-6), rollouts, advantages, uargs)
+    sync(device)
+    times["update"] = time.perf_counter() - t
+    print(json.dumps({"prompt_tokens": prompt_ids.shape[1], **times}))
+
+
+def table_2(args, model_dir):
+    results = []
+    for length in SCALING_P:
+        for group_size in SCALING_G:
+            row = {"G": group_size}
+            for share in (True, False):
+                argv = [sys.executable, os.path.abspath(__file__), "--model", model_dir, "--device", args.device,
+                        "--cell", str(length), str(group_size), str(int(share))]
+                with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+                    proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True)
+                    _, status, usage = os.wait4(proc.pid, 0)
+                    out.seek(0), err.seek(0)
+                    if os.waitstatus_to_exitcode(status) != 0:
+                        sys.exit(f"cell {length} × {group_size} failed:\n{err.read()}")
+                    row[share] = {**json.loads(out.read().strip().splitlines()[-1]),
+                                  "peak_rss_mb": usage.ru_maxrss / 1024}
+            row["P"] = row[True]["prompt_tokens"]
+            results.append(row)
+            print_scaling_row(row, first=len(results) == 1)
+    return [{"P": r["P"], "G": r["G"], "shared": r[True], "unshared": r[False]} for r in results]
+
+
+def print_scaling_row(row, first):
+    if first:
+        print(f"\nTable 2. one prompt × G completions of {T} tokens; seconds of sampling (with the reference "
+              f"pass) and of one update step, and peak RSS of the process")
+        print(f"{'P':>5s} {'G':>3s} | {'sample s':>17s} | {'update s':>17s} | {'total s':>17s} | {'peak MB':>13s}")
+        print(f"{'':9s} | {'shared  unshared':>17s} | {'shared  unshared':>17s} | {'shared  unshared  ×':>17s} | "
+              f"{'shared unsh.':>13s}")
+    s, u = row[True], row[False]
+    total_s, total_u = s["sample"] + s["update"], u["sample"] + u["update"]
+    print(f"{row['P']:5d} {row['G']:3d} | {s['sample']:7.2f} {u['sample']:9.2f} | {s['update']:7.2f} "
+          f"{u['update']:9.2f} | {total_s:6.2f} {total_u:7.2f} {total_u / total_s:4.1f} | "
+          f"{s['peak_rss_mb']:6.0f} {u['peak_rss_mb']:6.0f}")
+
+
+def main():
+    args = parse_args()
+    model_dir = args.model or builders.default_model_dir()
+    device = distributed.pick_device(args.device)
+    if args.cell:
+        return cell(model_dir, device, *args.cell[:2], bool(args.cell[2]))
+    result = {"device": str(device), "model": model_dir}
+    if args.table in (None, 1):
+        result["table_1"] = table_1(args, model_dir, device)
+    if args.table in (None, 2):
+        result["table_2"] = table_2(args, model_dir)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
