@@ -337,6 +337,70 @@ def skip_step(optimizers, skipped, grad_norms, loss, max_bad_steps):
     return skipped
 
 
+def training_rows(policy, rollouts, args, returns=None):
+    """The rollouts the update trains on: loss_mask (completion_mask, less truncated rows with
+    --mask-truncated, DAPO's overlong filtering), the critic's `returns`, and with --old-logprobs
+    recompute, log π_old from the policy as it is now."""
+    loss_mask = rollouts["completion_mask"]                                                # [N, T]
+    if args.mask_truncated:
+        loss_mask = loss_mask & ~rollouts["truncated"][:, None]
+    rollouts = {**rollouts, "loss_mask": loss_mask, **({"returns": returns} if returns is not None else {})}
+    if args.old_logprobs == "recompute":
+        # Every rank computes all rows: under FSDP each forward is a collective.
+        rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature,
+                                                             args.micro_batch_size, args.prefix_sharing).cpu()
+    return rollouts
+
+
+def accumulate_gradients(policy, critic, rollouts, advantages, rows, args):
+    """Backpropagate one minibatch's loss (and the critic's value loss) over this rank's micro-batches
+    of `rows`; the minibatch's metric sums and maxima over all ranks, and its loss-token count."""
+    device = next(policy.parameters()).device
+    num_tokens = max(int(rollouts["loss_mask"][rows].sum()), 1)
+    sums, maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
+    passes = distributed.micro_batches(rows, args.micro_batch_size)
+    for k, (idx, weight) in enumerate(passes):
+        batch = {key: v[idx].to(device) for key, v in rollouts.items()}
+        with distributed.grad_sync(policy, k == len(passes) - 1):
+            loss, terms = micro_batch_loss(policy, batch, advantages[idx].to(device), len(rows), num_tokens,
+                                           args)
+            (loss * weight).backward()           # DDP and FSDP average over ranks; × world makes it a sum
+        if critic:
+            with distributed.grad_sync(critic.model, k == len(passes) - 1):
+                value_loss, value_terms = micro_batch_value_loss(critic.model, batch, len(rows), num_tokens,
+                                                                 args)
+                (args.vf_coef * value_loss * weight).backward()
+            terms.update(value_terms)
+        if weight:                               # weight 0: a padding pass, for the collectives alone
+            add_metrics(sums, maxes, loss, terms, batch, args)
+    return distributed.all_reduce(sums, "sum"), distributed.all_reduce(maxes, "max"), num_tokens
+
+
+def on_policy_check(sums, maxes):
+    """The first minibatch's mismatch, before any step, when π_θ is still π_old."""
+    return {"logprob_diff_max": maxes["logprob_diff"],
+            "logprob_diff_mean": sums["logprob_diff"] / sums["completion_tokens"],
+            "outside_clip_on_policy": sums["outside_clip"] / sums["checked"]}
+
+
+def optimizer_step(optimizers, args):
+    """Step AdamW (and the critic's) at the scheduled learning rates; the policy's rate."""
+    step = adamw_steps(optimizers[0])
+    for optimizer, lr in zip(optimizers, (args.lr, args.critic_lr)):
+        set_lr(optimizer, scheduled_lr(args, step, lr))
+        optimizer.step()
+    return scheduled_lr(args, step)
+
+
+def mean_metrics(steps, num_models, has_ref):
+    """The mean of each metric over the optimizer steps (null for a null one, all null with no step)."""
+    if not steps:
+        placeholder = step_metrics(dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0), [0.0] * num_models, 1,
+                                   has_ref, 0.0)
+        return dict.fromkeys(placeholder)
+    return {k: None if v is None else sum(s[k] for s in steps) / len(steps) for k, v in steps[0].items()}
+
+
 def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, returns=None):
     """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict. With a
     `critic` (PPO), each minibatch also steps the critic on the clipped value loss towards `returns`.
@@ -344,74 +408,35 @@ def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, ret
     Under torchrun each rank runs its share of every minibatch (distributed.micro_batches) with the
     whole minibatch's normalisers, so the step equals the one-process step.
     """
-    device = next(policy.parameters()).device
-    N = rollouts["group_ids"].shape[0]
-    has_ref = "ref_logprobs" in rollouts
-    loss_mask = rollouts["completion_mask"]                                                # [N, T]
-    if args.mask_truncated:            # DAPO's overlong filtering: no loss on completions without EOS
-        loss_mask = loss_mask & ~rollouts["truncated"][:, None]
-    rollouts = {**rollouts, "loss_mask": loss_mask, **({"returns": returns} if critic else {})}
-    if args.old_logprobs == "recompute":
-        # Every rank computes all rows: under FSDP each forward is a collective.
-        rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature,
-                                                             args.micro_batch_size, args.prefix_sharing).cpu()
+    rollouts = training_rows(policy, rollouts, args, returns)
+    N, has_ref = rollouts["group_ids"].shape[0], "ref_logprobs" in rollouts
+    models = [policy] + ([critic.model] if critic else [])
     optimizers = [optimizer] + ([critic.optimizer] if critic else [])
     generator = torch.Generator().manual_seed(args.seed)
     minibatches = distributed.row_slices(N, args.minibatch_size)
     steps, skipped, on_policy = [], 0, None
     bar = tqdm(total=args.epochs * len(minibatches), desc="update", leave=False,
                disable=None if distributed.is_main() else True)
-    models = [policy] + ([critic.model] if critic else [])
     with modeling.gradient_checkpointing(models, args.gradient_checkpointing):
         for _ in range(args.epochs):
             order = torch.randperm(N, generator=generator)                                    # [N]
             for minibatch in minibatches:
-                rows = order[minibatch]                                                         # [M]
-                num_tokens = max(int(loss_mask[rows].sum()), 1)
-                sums, maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
-                passes = distributed.micro_batches(rows, args.micro_batch_size)
-                for k, (idx, weight) in enumerate(passes):
-                    batch = {key: v[idx].to(device) for key, v in rollouts.items()}
-                    with distributed.grad_sync(policy, k == len(passes) - 1):
-                        loss, terms = micro_batch_loss(policy, batch, advantages[idx].to(device), len(rows),
-                                                       num_tokens, args)
-                        (loss * weight).backward()   # DDP and FSDP average over ranks; × world makes it a sum
-                    if critic:
-                        with distributed.grad_sync(critic.model, k == len(passes) - 1):
-                            value_loss, value_terms = micro_batch_value_loss(critic.model, batch, len(rows),
-                                                                             num_tokens, args)
-                            (args.vf_coef * value_loss * weight).backward()
-                        terms.update(value_terms)
-                    if weight:
-                        add_metrics(sums, maxes, loss, terms, batch, args)
-                sums, maxes = distributed.all_reduce(sums, "sum"), distributed.all_reduce(maxes, "max")
-                grad_norms = [clip_gradients(policy, args.max_grad_norm)]
-                if critic:
-                    grad_norms.append(clip_gradients(critic.model, args.max_grad_norm))
-                if on_policy is None:            # the first minibatch, before any step: π_θ is π_old
-                    on_policy = {"logprob_diff_max": maxes["logprob_diff"],
-                                 "logprob_diff_mean": sums["logprob_diff"] / sums["completion_tokens"],
-                                 "outside_clip_on_policy": sums["outside_clip"] / sums["checked"]}
+                sums, maxes, num_tokens = accumulate_gradients(policy, critic, rollouts, advantages,
+                                                               order[minibatch], args)
+                grad_norms = [clip_gradients(model, args.max_grad_norm) for model in models]
+                on_policy = on_policy or on_policy_check(sums, maxes)
                 bar.update(1)
                 if not all(map(math.isfinite, [*grad_norms, sums["loss"], sums["value_loss"]])):
                     skipped = skip_step(optimizers, skipped, grad_norms, sums["loss"], args.max_bad_steps)
                     continue
-                step = adamw_steps(optimizer)
-                for opt, lr in zip(optimizers, (args.lr, args.critic_lr)):
-                    set_lr(opt, scheduled_lr(args, step, lr))
-                    opt.step()
-                step_lr = scheduled_lr(args, step)
-                steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, step_lr))
+                lr = optimizer_step(optimizers, args)
+                steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, lr))
                 bar.set_postfix(loss=f"{sums['loss']:.4f}")
     bar.close()
-    if steps:
-        metrics = {k: None if v is None else sum(s[k] for s in steps) / len(steps)
-                   for k, v in steps[0].items()}
-    else:                                    # every step was skipped: the names, no values
-        metrics = dict.fromkeys(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, args.lr))
-    metrics.update(optimizer_steps=len(steps), skipped_steps=skipped, **on_policy)
+    metrics = {**mean_metrics(steps, len(models), has_ref), "optimizer_steps": len(steps),
+               "skipped_steps": skipped, **on_policy}
     if critic:                           # how much of the returns' variance the sampled V_old explained
         metrics["explained_variance"] = diagnostics.explained_variance(rollouts["values"], returns,
                                                                        rollouts["completion_mask"])

@@ -110,6 +110,10 @@ def test_non_finite_step_is_skipped_and_counted(models, rollout_dir):
     start = modeling.load_model(models["policy"], "cpu").state_dict()
     policy, m = run_update(models["policy"], rollouts, huge, minibatch_size=8, max_bad_steps=5)
     assert m["skipped_steps"] == 2 and m["optimizer_steps"] == 0
+    _, stepped = run_update(models["policy"], rollouts, torch.zeros_like(huge), minibatch_size=8)
+    assert m.keys() == stepped.keys()                          # the same names, none with a value
+    counted = {"skipped_steps", "optimizer_steps", "logprob_diff_max", "logprob_diff_mean", "outside_clip_on_policy"}
+    assert all(m[k] is None for k in stepped.keys() - counted)
     for name, p in policy.state_dict().items():
         assert torch.equal(p, start[name]), name                 # no NaN written, nothing moved
     with pytest.raises(StageError, match="--max-bad-steps 1"):
