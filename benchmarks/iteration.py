@@ -141,6 +141,21 @@ def sampler_rates(policy, prompt_ids, prompt_mask, pad_id, reps, device):
     return {name: prompt_ids.shape[0] * T / statistics.median(s) for name, s in seconds.items()}
 
 
+def wait_with_peak_rss(proc):
+    """Wait for a child process; its exit code and peak resident set in MB, polled from VmHWM in
+    /proc/PID/status (the high-water mark of its own address space). Not the child's rusage: Linux
+    carries the RSS of the process it was forked from (this one, with the floor's models) across exec."""
+    peak_kb = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as status:
+                peak_kb = max([peak_kb] + [int(line.split()[1]) for line in status if line.startswith("VmHWM:")])
+        except OSError:                  # exited between poll() and open()
+            pass
+        time.sleep(0.1)
+    return proc.returncode, peak_kb / 1024
+
+
 def run_project(args, model, run_dir, share):
     """train.py in a child process; returns its iteration time, per-stage medians and peak RSS."""
     total = args.warmup + args.save_every + 1          # one save cycle, then the last iteration (which always saves)
@@ -148,11 +163,12 @@ def run_project(args, model, run_dir, share):
             "--iterations", str(total), "--num-prompts", str(B), "--group-size", str(G), "--max-new-tokens", str(T),
             "--temperature", str(TAU), "--beta", str(BETA), "--epochs", "1", "--eval-every", "0", "--ignore-eos",
             "--save-every", str(args.save_every), "--device", args.device] + ([] if share else ["--no-prefix-sharing"])
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    stderr = proc.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"train.py failed:\n{stderr}")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        code, peak_rss_mb = wait_with_peak_rss(proc)
+        err.seek(0)
+        if code != 0:
+            sys.exit(f"train.py failed:\n{err.read()}")
     metrics = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
     cycle = metrics[args.warmup:args.warmup + args.save_every]
     assert sum(m["iteration"] + 1 == args.save_every for m in cycle) == 1
@@ -166,7 +182,7 @@ def run_project(args, model, run_dir, share):
     stages["save policy/ (amortised)"] = max(excess, statistics.mean(m["perf/checkpoint_s"] for m in cycle))
     iteration_s = loop_s + stages["save policy/ (amortised)"]
     io_share = (stages["write stage files"] + stages["save policy/ (amortised)"]) / iteration_s
-    return {"iteration_s": iteration_s, "stages_s": stages, "io_share": io_share, "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {"iteration_s": iteration_s, "stages_s": stages, "io_share": io_share, "peak_rss_mb": peak_rss_mb}
 
 
 def table_1(args, model_dir, device):
@@ -247,12 +263,11 @@ def table_2(args, model_dir):
                         "--cell", str(length), str(group_size), str(int(share))]
                 with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
                     proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True)
-                    _, status, usage = os.wait4(proc.pid, 0)
+                    code, peak_rss_mb = wait_with_peak_rss(proc)
                     out.seek(0), err.seek(0)
-                    if os.waitstatus_to_exitcode(status) != 0:
+                    if code != 0:
                         sys.exit(f"cell {length} × {group_size} failed:\n{err.read()}")
-                    row[share] = {**json.loads(out.read().strip().splitlines()[-1]),
-                                  "peak_rss_mb": usage.ru_maxrss / 1024}
+                    row[share] = {**json.loads(out.read().strip().splitlines()[-1]), "peak_rss_mb": peak_rss_mb}
             row["P"] = row[True]["prompt_tokens"]
             results.append(row)
             print_scaling_row(row, first=len(results) == 1)
