@@ -25,7 +25,7 @@ Table 2, how the saving grows: one prompt of about 40, 200 or 800 tokens (the ar
 after a filler passage) × G = 4, 8, 16 completions of 24 tokens. Each cell and path runs in its own
 child process: the project's sampler (with the reference pass), then one update.train_policy step
 (forward, backward, AdamW); its seconds and the child's peak RSS (two copies of the model and
-AdamW's state included).
+AdamW's state included). A child the kernel kills for memory shows as `killed`, with its RSS then.
 
 Prints the tables, then one JSON line with everything measured.
 """
@@ -33,6 +33,7 @@ Prints the tables, then one JSON line with everything measured.
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -265,10 +266,13 @@ def table_2(args, model_dir):
                     proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True)
                     code, peak_rss_mb = wait_with_peak_rss(proc)
                     out.seek(0), err.seek(0)
+                    if code == -signal.SIGKILL:      # the kernel's OOM killer: this cell does not fit here
+                        row[share] = {"sample": None, "update": None, "peak_rss_mb": peak_rss_mb, "killed": True}
+                        continue
                     if code != 0:
                         sys.exit(f"cell {length} × {group_size} failed:\n{err.read()}")
                     row[share] = {**json.loads(out.read().strip().splitlines()[-1]), "peak_rss_mb": peak_rss_mb}
-            row["P"] = row[True]["prompt_tokens"]
+            row["P"] = next((r["prompt_tokens"] for r in (row[True], row[False]) if "prompt_tokens" in r), length)
             results.append(row)
             print_scaling_row(row, first=len(results) == 1)
     return [{"P": r["P"], "G": r["G"], "shared": r[True], "unshared": r[False]} for r in results]
@@ -282,9 +286,13 @@ def print_scaling_row(row, first):
         print(f"{'':9s} | {'shared  unshared':>17s} | {'shared  unshared':>17s} | {'shared  unshared  ×':>17s} | "
               f"{'shared unsh.':>13s}")
     s, u = row[True], row[False]
-    total_s, total_u = s["sample"] + s["update"], u["sample"] + u["update"]
-    print(f"{row['P']:5d} {row['G']:3d} | {s['sample']:7.2f} {u['sample']:9.2f} | {s['update']:7.2f} "
-          f"{u['update']:9.2f} | {total_s:6.2f} {total_u:7.2f} {total_u / total_s:4.1f} | "
+    total_s, total_u = (None if r.get("killed") else r["sample"] + r["update"] for r in (s, u))
+    ratio = f"{total_u / total_s:4.1f}" if total_s and total_u else "   -"
+
+    def secs(x, width):                  # a cell killed for memory shows its peak before the kill
+        return f"{x:{width}.2f}" if x is not None else f"{'killed':>{width}s}"
+    print(f"{row['P']:5d} {row['G']:3d} | {secs(s['sample'], 7)} {secs(u['sample'], 9)} | {secs(s['update'], 7)} "
+          f"{secs(u['update'], 9)} | {secs(total_s, 6)} {secs(total_u, 7)} {ratio} | "
           f"{s['peak_rss_mb']:6.0f} {u['peak_rss_mb']:6.0f}")
 
 
