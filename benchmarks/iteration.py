@@ -145,7 +145,8 @@ def sampler_rates(policy, prompt_ids, prompt_mask, pad_id, reps, device):
 def wait_with_peak_rss(proc):
     """Wait for a child process; its exit code and peak resident set in MB, polled from VmHWM in
     /proc/PID/status (the high-water mark of its own address space). Not the child's rusage: Linux
-    carries the RSS of the process it was forked from (this one, with the floor's models) across exec."""
+    carries the RSS of the process it was forked from (this one, holding the floor's models after
+    table 1) across exec."""
     peak_kb = 0
     while proc.poll() is None:
         try:
@@ -289,7 +290,7 @@ def print_scaling_row(row, first):
     total_s, total_u = (None if r.get("killed") else r["sample"] + r["update"] for r in (s, u))
     ratio = f"{total_u / total_s:4.1f}" if total_s and total_u else "   -"
 
-    def secs(x, width):                  # a cell killed for memory shows its peak before the kill
+    def secs(x, width):                  # a path killed for memory: `killed`, and its RSS at the kill
         return f"{x:{width}.2f}" if x is not None else f"{'killed':>{width}s}"
     print(f"{row['P']:5d} {row['G']:3d} | {secs(s['sample'], 7)} {secs(u['sample'], 9)} | {secs(s['update'], 7)} "
           f"{secs(u['update'], 9)} | {secs(total_s, 6)} {secs(total_u, 7)} {ratio} | "
