@@ -16,7 +16,7 @@ import update
 from grpo import files
 
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
-FORMATS = open(os.path.join(ROOT, "FORMATS.md"), encoding="utf-8").read()
+FORMATS = open(os.path.join(ROOT, "docs", "formats.md"), encoding="utf-8").read()
 
 
 @pytest.mark.parametrize("script", STAGES)

@@ -1,0 +1,165 @@
+"""README.md and docs/: every relative link leads somewhere, and every code reference names code.
+
+A code reference is `path/file.py:name` or `path/file.py:Class.method`, the path relative to the
+repository root, written anywhere in the Markdown. It resolves when the file exists and defines
+`name` at its top level (a def, a class or an assignment), or `method` inside that class: checked
+with the ast module, so nothing is imported. The dotted spelling `module.function` is not used;
+a span like `update.train_policy` is reported so that the docs keep one form. The only exceptions
+are the placeholders a reader fills in (`path/file.py:function`, the syntax of a --reward SPEC).
+
+A link [text](target) that is not a URL must name an existing file or folder (relative to the
+page), and its `#anchor` a heading of that file, by GitHub's slug rules.
+"""
+
+import ast
+import functools
+import glob
+import os
+import re
+
+from conftest import ROOT
+
+README_MAX_LINES = 250
+PLACEHOLDERS = {"path/file.py:function", "file.py:function"}
+CODE_REF = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
+EXTENSIONS = {"py", "md", "json", "jsonl", "safetensors", "sh", "txt", "png", "ini", "gguf", "bin", "tmp"}
+
+
+def markdown_files():
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def without_fences(text):
+    """The text with fenced code blocks blanked (their lines kept, so line numbers stay right)."""
+    return FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: the rendered text, lower-cased, punctuation removed (letters,
+    digits, `_`, `-` and spaces kept), spaces turned into hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)           # a link's text
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "").replace("*", "")
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path):
+    """Every heading anchor of a Markdown file; a repeated heading gets -1, -2, ... as on GitHub."""
+    seen, found = {}, set()
+    for line in without_fences(open(path, encoding="utf-8").read()).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def link_problems(text, page, root=ROOT):
+    """One line per relative link of `text` (written in the file `page`) that leads nowhere."""
+    problems = []
+    for number, line in enumerate(without_fences(text).splitlines(), 1):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):                     # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            where = f"{os.path.relpath(page, root)}:{number}: ({target})"
+            if not os.path.exists(full):
+                problems.append(f"{where} no such file")
+            elif anchor and (not full.endswith(".md") or anchor not in anchors(full)):
+                problems.append(f"{where} no heading with the anchor #{anchor}")
+    return problems
+
+
+@functools.lru_cache(maxsize=None)
+def top_level_names(path):
+    """{name: None} for the top-level defs and assignments of a Python file, {class: {methods}}."""
+    names = {}
+    for node in ast.parse(open(path, encoding="utf-8").read(), path).body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = None
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    names[target.id] = None
+    return names
+
+
+def module_names(root):
+    """The modules a dotted reference could name: the stage scripts and the grpo package's modules."""
+    paths = glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "grpo", "*.py"))
+    return {os.path.splitext(os.path.basename(p))[0] for p in paths} - {"__init__"}
+
+
+def code_ref_problems(text, page, root=ROOT):
+    """One line per code reference of `text` that names no file, or nothing defined in its file."""
+    problems, where = [], os.path.relpath(page, root)
+    modules = module_names(root)
+    for number, line in enumerate(text.splitlines(), 1):
+        for path, name in CODE_REF.findall(line):
+            ref = f"{path}:{name}"
+            if ref in PLACEHOLDERS:
+                continue
+            full = os.path.join(root, path)
+            if not os.path.isfile(full):
+                problems.append(f"{where}:{number}: {ref}: no such file {path}")
+                continue
+            names = top_level_names(full)
+            outer, _, method = name.partition(".")
+            if outer not in names:
+                problems.append(f"{where}:{number}: {ref}: {path} defines no top-level {outer}")
+            elif method and (names[outer] is None or method not in names[outer]):
+                problems.append(f"{where}:{number}: {ref}: {outer} in {path} has no method {method}")
+        for span in INLINE_CODE.findall(line):
+            m = re.fullmatch(r"(?:grpo\.)?(\w+)\.(\w+)(?:\.\w+)?(?:\(\))?", span)
+            if m and m.group(1) in modules and m.group(2) not in EXTENSIONS:
+                problems.append(f"{where}:{number}: `{span}`: write a code reference as path/file.py:name")
+    return problems
+
+
+def test_the_checkers_catch_what_they_are_for(tmp_path):
+    page = str(tmp_path / "page.md")
+    open(page, "w", encoding="utf-8").write("# A title\n\n## update.py's metrics.json\n")
+    assert code_ref_problems("`update.py:grpo_token_loss` and `grpo/checkpoints.py:BackgroundSaver.wait`",
+                             page) == []
+    for bad in ("see `update.py:no_such_function`", "`no_such_file.py:main`",
+                "`grpo/checkpoints.py:BackgroundSaver.no_such_method`", "`update.py:grpo_token_loss.x`",
+                "`update.grpo_token_loss`", "`grpo.modeling.completion_logprobs`"):
+        assert len(code_ref_problems(bad, page)) == 1, bad
+    assert code_ref_problems("`--reward path/file.py:function`, `train.py`, `metrics.json`", page) == []
+    assert link_problems("[a](page.md) [b](#a-title) [c](page.md#updatepys-metricsjson) "
+                         "[d](https://example.com/x.md)", page) == []
+    for bad in ("[a](nope.md)", "[b](#no-such-heading)", "[c](page.md#a-titl)", "[d](../nope/page.md#a-title)"):
+        assert len(link_problems(bad, page)) == 1, bad
+    assert link_problems("```\n[a](nope.md)\n```\n", page) == []        # inside a code block: not a link
+
+
+def test_slugs_follow_githubs_rules():
+    assert slug("update.py's metrics.json") == "updatepys-metricsjson"
+    assert slug("PPO with a critic: what GRPO removes") == "ppo-with-a-critic-what-grpo-removes"
+    assert slug("`--loss-agg` and [the table](x.md)") == "--loss-agg-and-the-table"
+
+
+def test_every_relative_link_resolves():
+    problems = [p for path in markdown_files()
+                for p in link_problems(open(path, encoding="utf-8").read(), path)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_every_code_reference_resolves():
+    problems = [p for path in markdown_files()
+                for p in code_ref_problems(open(path, encoding="utf-8").read(), path)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_readme_is_short_and_indexes_every_docs_page():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    for path in markdown_files()[1:]:
+        assert f"](docs/{os.path.basename(path)})" in readme, path
