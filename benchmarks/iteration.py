@@ -1,4 +1,5 @@
-"""What one GRPO iteration costs, with and without prefix sharing, against the naive floor.
+"""What one GRPO iteration costs, with and without prefix sharing, against the naive floor and
+the compute floor.
 
     python benchmarks/iteration.py                  # both tables, SmolLM2-135M-Instruct
     python benchmarks/iteration.py --table 1        # the default job's shape only
@@ -19,7 +20,13 @@ Table 1, the default job's shape: B = 4 arithmetic chat prompts × G = 8, exactl
   project's runs and half after.
 - The sampler alone on the same batch, in this process: tokens per second of
   sample.sample_completions with and without sharing and of `model.generate` (median of
-  --floor-reps each).
+  --floor-reps each), and the seconds of the shared sampler and of its reference pass apart.
+- The compute floor: the iteration's matmul FLOPs, counted from the model's config and the shape
+  as the code computes them (iteration_matmuls: sampling's prefill and decode steps, the reference
+  forward, the update's forward and backward, attention and the LM head where it is applied),
+  over the best rate torch.matmul sustains here on those same matmul shapes, measured in the same
+  run. A second table gives each stage's seconds, GFLOP, the matmuls' seconds at their own shapes'
+  rates, the floor's seconds, and the stage's ratio to the compute floor and to the naive floor.
 
 Table 2, how the saving grows: one prompt of about 40, 200 or 800 tokens (the arithmetic question
 after a filler passage) × G = 4, 8, 16 completions of 24 tokens. Each cell and path runs in its own
@@ -123,23 +130,142 @@ def floor_once(policy, ref, optimizer, prompt_ids, prompt_mask, device):
     return times
 
 
-def sampler_rates(policy, prompt_ids, prompt_mask, pad_id, reps, device):
-    """Tokens per second of the project's sampler (shared, unshared) and of generate, same batch."""
-    seconds = {"shared": [], "unshared": [], "generate": []}
+# ----------------------------------------------------------------------------------------
+# The compute floor: the iteration's matmul FLOPs at the best matmul rate this machine sustains
+
+def iteration_matmuls(config, B, P, G, T):
+    """Every matmul of one iteration (B distinct prompts of P tokens, G completions of T tokens each),
+    as the code computes it: a list of (stage, kind, m, k, n, count), each an [m, k] × [k, n] product
+    done `count` times, kind "layers" (q, k, v, o and the MLP), "lm_head" or "attention".
+
+    The model calls, read from sample.sample_completions and modeling.completion_logprobs with prefix
+    sharing: each stage prefills the B prompts once (logits_to_keep=1: the LM head at the last prompt
+    token only), then
+    - sampling runs T decode steps of the N = B·G rows, one token each, step t attending to P + t + 1
+      keys, with the LM head at that token; what the code does, not the minimum: the T-th step's
+      forward runs although its logits are never sampled from (the loop checks EOS after it);
+    - the reference pass and the update run the first T − 1 completion tokens of the N rows at once on
+      the cache (the last prompt token's logits from the prefill score token 0), attending to all
+      P + T − 1 keys through an explicit mask, with the LM head at those T − 1 positions;
+    - the update's backward costs two matmuls of the forward's size for each of its matmuls (the
+      input's and the weight's gradients; for attention dQ, dK, dV and dP), listed with their shapes.
+    Attention counts every (query, key) pair it is given, per query head (grouped K/V heads are
+    repeated or broadcast to all heads): 2·head_dim FLOPs for Q·Kᵀ and 2·head_dim for P·V. The prefill
+    runs with is_causal and no mask when no prompt is padded, and its kernel skips some key blocks past
+    the diagonal; counting the full P × P square overstates the iteration by about 0.1 % here. Not
+    counted: the embedding lookup (a gather) and the entropy's per-position dot product (2·V FLOPs a
+    position); AdamW, softmax and the rest are not matmuls.
+    """
+    d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    H, KV, ffn = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or d // H
+    weights = [(d, H * hd), (d, KV * hd), (d, KV * hd), (H * hd, d), (d, ffn), (d, ffn), (ffn, d)]  # [in, out]
+    N = B * G
+
+    def forward(stage, rows, new, keys, logits, backward=False):
+        """One model call: `rows` rows of `new` tokens attending to `keys` keys, logits at `logits`
+        positions a row."""
+        m = rows * new
+        gemms = [("layers", m, k, n, L) for k, n in weights] + [("lm_head", rows * logits, d, V, 1)]
+        gemms += [("attention", new, hd, keys, rows * H * L), ("attention", new, keys, hd, rows * H * L)]
+        if backward:                   # y = x·W: dx = dy·Wᵀ [m, n] × [n, k], dW = xᵀ·dy [k, m] × [m, n]
+            gemms += [g for kind, m, k, n, c in gemms for g in ((kind, m, n, k, c), (kind, k, m, n, c))]
+        return [(stage, *g) for g in gemms]
+
+    matmuls = forward("sampling", B, P, P, 1)
+    for t in range(T):
+        matmuls += forward("sampling", N, 1, P + t + 1, 1)
+    for stage in ("reference", "update"):
+        backward = stage == "update"
+        matmuls += forward(stage, B, P, P, 1, backward) + forward(stage, N, T - 1, P + T - 1, T - 1, backward)
+    return matmuls
+
+
+def matmul_flops(config, B, P, G, T):
+    """The iteration's matmul FLOPs by stage and kind: {stage: {kind: FLOPs}} (2·m·k·n a product)."""
+    flops = {}
+    for stage, kind, m, k, n, count in iteration_matmuls(config, B, P, G, T):
+        by_kind = flops.setdefault(stage, {"layers": 0, "lm_head": 0, "attention": 0})
+        by_kind[kind] += 2 * m * k * n * count
+    return flops
+
+
+def matmul_rates(shapes, device, seconds=0.05, windows=3):
+    """GFLOP/s of torch.matmul on each (m, k, n): the best of `windows` back-to-back windows of at least
+    `seconds` each (sustained: many calls in a row, as a forward pass makes them). The right-hand side
+    is a Linear's weight [n, k] used transposed, the layout F.linear hands to the BLAS; float32, or
+    bfloat16 on a GPU, where the forward passes run under bf16 autocast (modeling.autocast)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rates = {}
+    for m, k, n in shapes:
+        a, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
+        t = time.perf_counter()
+        torch.matmul(a, w.t())                               # warm-up, and how many calls fill a window
+        sync(device)
+        calls = max(1, int(seconds / max(time.perf_counter() - t, 1e-9)))
+        best = float("inf")
+        for _ in range(windows):
+            t = time.perf_counter()
+            for _ in range(calls):
+                torch.matmul(a, w.t())
+            sync(device)
+            best = min(best, (time.perf_counter() - t) / calls)
+        rates[(m, k, n)] = 2 * m * k * n / best / 1e9
+    return rates
+
+
+def compute_floor(config, B, P, G, T, device):
+    """The iteration's matmuls against the matmul rates measured here on their own shapes.
+
+    The floor's rate is the best of the shapes, not a FLOP-weighted mean: the floor is the time the
+    iteration's matmuls would take if all ran as fast as this machine runs the model's best-served
+    shape, a bound the code could approach by batching its work into such shapes. Beside it,
+    `matmul_s` is each stage's matmuls at their own shapes' rates, what this exact sequence of matmuls
+    costs (attention's small batched products are not timed: counted at the best rate)."""
+    matmuls = iteration_matmuls(config, B, P, G, T)
+    rates = matmul_rates(sorted({(m, k, n) for _, kind, m, k, n, _ in matmuls if kind != "attention"}), device)
+    best_shape = max(rates, key=rates.get)
+    stages = {}
+    for stage, kind, m, k, n, count in matmuls:
+        s = stages.setdefault(stage, {"gflop": 0.0, "matmul_s": 0.0})
+        s["gflop"] += 2 * m * k * n * count / 1e9
+        s["matmul_s"] += 2 * m * k * n * count / 1e9 / rates.get((m, k, n), rates[best_shape])
+    for s in stages.values():
+        s["floor_s"] = s["gflop"] / rates[best_shape]
+    return {"gflop_per_s": rates[best_shape], "best_shape": best_shape, "stages": stages,
+            "rates": {"x".join(map(str, shape)): rate for shape, rate in rates.items()},
+            "flops": matmul_flops(config, B, P, G, T)}
+
+
+def sampler_rates(policy, ref, prompt_ids, prompt_mask, pad_id, reps, device):
+    """Tokens per second of the project's sampler (shared, unshared) and of generate, same batch; and
+    the median seconds of the shared sampler and of the shared reference pass on its completions, the
+    two halves of train.py's sample stage, which times them together."""
+    seconds = {"shared": [], "unshared": [], "generate": [], "reference": []}
     for _ in range(reps):
-        for name in seconds:
+        for name in ("shared", "unshared", "generate"):
             t = time.perf_counter()
             if name == "generate":
                 with torch.inference_mode():
                     policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), do_sample=True,
                                     temperature=TAU, top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
             else:
-                sample.sample_completions(policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
-                                          torch.Generator(device=device).manual_seed(0),
-                                          share_prefix=name == "shared")
+                ids, mask, _, _ = sample.sample_completions(
+                    policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
+                    torch.Generator(device=device).manual_seed(0), share_prefix=name == "shared")
             sync(device)
             seconds[name].append(time.perf_counter() - t)
-    return {name: prompt_ids.shape[0] * T / statistics.median(s) for name, s in seconds.items()}
+            if name == "shared":
+                rollouts = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids,
+                            "completion_mask": mask}
+                t = time.perf_counter()
+                modeling.rollout_logprobs(ref, rollouts, TAU, 0, share_prefix=True)
+                sync(device)
+                seconds["reference"].append(time.perf_counter() - t)
+    rates = {name: prompt_ids.shape[0] * T / statistics.median(seconds[name])
+             for name in ("shared", "unshared", "generate")}
+    return rates, {"sampling": statistics.median(seconds["shared"]),
+                   "reference": statistics.median(seconds["reference"])}
 
 
 def wait_with_peak_rss(proc):
@@ -205,7 +331,9 @@ def table_1(args, model_dir, device):
                    for name, share in (("shared", True), ("unshared", False))}
     runs += floor_runs(args.floor_reps - args.floor_reps // 2)
     floor = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    rates = sampler_rates(policy, prompt_ids, prompt_mask, tokenizer.pad_token_id, args.floor_reps, device)
+    rates, in_process = sampler_rates(policy, ref, prompt_ids, prompt_mask, tokenizer.pad_token_id,
+                                      args.floor_reps, device)
+    floor_c = compute_floor(policy.config, B, prompt_ids.shape[1], G, T, device)
 
     print(f"\nTable 1. model {model_dir}, device {device}, torch threads {torch.get_num_threads()}; B={B} × G={G}, "
           f"prompts of {prompt_ids.shape[1]} tokens (padded), {T} new tokens; a save every {args.save_every} "
@@ -223,8 +351,35 @@ def table_1(args, model_dir, device):
           f"{project['shared']['io_share']:.1%} of the shared iteration; sampler tokens/s on this batch: shared "
           f"{rates['shared']:.0f}, unshared {rates['unshared']:.0f}, generate {rates['generate']:.0f}; peak RSS "
           f"{project['shared']['peak_rss_mb']:.0f} MB shared, {project['unshared']['peak_rss_mb']:.0f} MB unshared")
+    print_compute_floor(project["shared"], in_process, floor_c, floor)
     return {"project": project, "floor_s": floor, "ratio_to_floor": ratios, "sampler_tokens_per_s": rates,
-            "prompt_tokens": prompt_ids.shape[1]}
+            "prompt_tokens": prompt_ids.shape[1], "in_process_s": in_process, "compute_floor": floor_c}
+
+
+def print_compute_floor(project, in_process, floor_c, naive):
+    """The shared iteration's stages against the compute floor and the naive floor. train.py times
+    sampling and the reference pass together; the two rows above that stage are the same functions
+    timed apart in this process."""
+    rate, stages = floor_c["gflop_per_s"], floor_c["stages"]
+    gflop = sum(s["gflop"] for s in stages.values())
+    print(f"\nThe shared iteration against its compute floor: {gflop:,.0f} GFLOP of matmuls at the best rate "
+          f"measured on the model's own matmul shapes, {rate:.0f} GFLOP/s ({'×'.join(map(str, floor_c['best_shape']))}"
+          f", m×k×n), is {gflop / rate:.2f} s; `matmul s` is each stage's matmuls at their own shapes' rates")
+    print(f"{'stage':34s} {'s':>7s} {'GFLOP':>7s} {'matmul s':>8s} {'floor s':>7s} {'× floor':>7s} {'× naive':>7s}")
+
+    def row(name, seconds, of, naive_s=None):
+        g, m = sum(stages[k]["gflop"] for k in of), sum(stages[k]["matmul_s"] for k in of)
+        ratio = f"{seconds * rate / g:7.2f}" if g else f"{'-':>7s}"
+        vs_naive = f"{seconds / naive_s:7.3f}" if naive_s else f"{'-':>7s}"
+        print(f"{name:34s} {seconds:7.3f} {g:7.1f} {m:8.3f} {g / rate:7.3f} {ratio} {vs_naive}")
+
+    row("  sampling (in this process)", in_process["sampling"], ["sampling"], naive["sample"])
+    row("  reference pass (in this process)", in_process["reference"], ["reference"], naive["reference"])
+    of = {"sample (with the reference pass)": (["sampling", "reference"], naive["sample"] + naive["reference"]),
+          "update": (["update"], naive["update"])}
+    for name, seconds in project["stages_s"].items():
+        row(name, seconds, *of.get(name, ([], None)))
+    row("iteration", project["iteration_s"], list(stages), naive["total"])
 
 
 def cell(model_dir, device, length, group_size, share):

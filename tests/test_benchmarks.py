@@ -1,0 +1,47 @@
+"""benchmarks/iteration.py's matmul FLOP count, against a count by hand on a tiny Llama config."""
+
+import os
+import sys
+
+from transformers import LlamaConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import iteration  # noqa: E402
+
+
+def tiny_config():
+    # d = 8, 2 query heads and 1 K/V head of 4, MLP 16, 2 layers, vocabulary 32.
+    return LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                       intermediate_size=16, num_hidden_layers=2, vocab_size=32)
+
+
+def test_matmul_flops_by_hand():
+    # B = 2 prompts of P = 3 tokens, G = 2 completions (N = 4 rows) of T = 2 tokens.
+    # One token through the layers: q 2·8·8 = 128, k and v 2·8·4 = 64 each, o 128, gate, up and down
+    # 2·8·16 = 256 each: 1,152 a layer, 2,304 for both. One position of the LM head: 2·8·32 = 512.
+    # One (query, key) pair of attention: 2 heads × (2·4 for q·k + 2·4 for p·v) = 32 a layer, 64 for both.
+    # The prefill (each stage): 2 × 3 tokens, 2 × 3 × 3 pairs, the LM head at 2 positions:
+    #   6·2,304 = 13,824; 18·64 = 1,152; 2·512 = 1,024.
+    # Sampling's 2 decode steps, 4 rows of one token: 8·2,304 = 18,432 in the layers, 8·512 = 4,096
+    #   in the LM head; step t attends to 3 + t + 1 keys: 4·(4 + 5) = 36 pairs, 2,304.
+    # The reference's completion pass: 4 rows × 1 token = 4·2,304 = 9,216; 4 positions of the
+    #   LM head, 2,048; 4 rows × 1 query × 4 keys = 16 pairs, 1,024.
+    # The update: the reference's forward, and a backward of twice that.
+    flops = iteration.matmul_flops(tiny_config(), B=2, P=3, G=2, T=2)
+    assert flops["sampling"] == {"layers": 13_824 + 18_432, "lm_head": 1_024 + 4_096, "attention": 1_152 + 2_304}
+    assert flops["reference"] == {"layers": 13_824 + 9_216, "lm_head": 1_024 + 2_048, "attention": 1_152 + 1_024}
+    assert flops["update"] == {k: 3 * v for k, v in flops["reference"].items()}
+    assert sum(sum(f.values()) for f in flops.values()) == 40_832 + 4 * 28_288
+
+
+def test_backward_is_the_transposed_products():
+    # Each of the update's forward products [m, k] × [k, n] appears with its two gradients' shapes.
+    matmuls = iteration.iteration_matmuls(tiny_config(), B=2, P=3, G=2, T=2)
+    update = [(kind, m, k, n, c) for stage, kind, m, k, n, c in matmuls if stage == "update"]
+    reference = [(kind, m, k, n, c) for stage, kind, m, k, n, c in matmuls if stage == "reference"]
+    assert len(update) == 3 * len(reference)
+    for kind, m, k, n, c in reference:
+        assert {(kind, m, k, n, c), (kind, m, n, k, c), (kind, k, m, n, c)} <= set(update)
+    # the LM head at the 4 completion positions: [4, 8] × [8, 32], dx [4, 32] × [32, 8], dW [8, 4] × [4, 32]
+    assert {("lm_head", 4, 8, 32, 1), ("lm_head", 4, 32, 8, 1), ("lm_head", 8, 4, 32, 1)} <= set(update)
