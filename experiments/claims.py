@@ -1,76 +1,296 @@
-"""The source article's claims about GRPO, one experiment each, run through train.py.
+"""The source article's claims about GRPO, each an experiment on the default model, decided by a rule
+stated before the runs.
 
-    python -m experiments.claims c1              # one claim: every arm × 3 seeds, then its PNG and table
-    python -m experiments.claims all             # the seven, one after the other
-    python -m experiments.claims c3 --seeds 5 --iterations 60
-    python -m experiments.claims c1 --smoke      # 2 iterations, 1 seed (what the tests run)
+    python -m experiments.claims c3                  # one claim: every arm × 3 seeds, then its PNG and table
+    python -m experiments.claims all                 # the ten, in ORDER, then more seeds where unclear
+    python -m experiments.claims c3 c9 --seeds 5     # several claims; more seeds
+    python -m experiments.claims c1 --smoke          # --config tiny, 2 iterations, 1 seed (the tests)
+    python -m experiments.claims c2 --config gpu --iterations 200 --seeds 5     # the article's scale
 
-Every arm is `train.py --config tiny` (the 2-layer Llama learning character classes from scratch;
-CLAIMS says what each arm changes) with seeds 0..S−1, in experiments/runs/CLAIM/ARM_seedS. Each
-run is a child process forked from a fork server that has imported train.py once; the child
-reports its own peak RSS. Then experiments/results/CLAIM.png (the claim's metrics against the iteration, mean ±
-std over the seeds, drawn by experiments.plot) and CLAIM.md (per arm, mean ± std over the seeds:
-each metric's final value, the mean of the last five iterations, and its area under the curve,
-the mean over all iterations; wall time; peak RSS). The verdicts are written in the README by a
-person reading these; nothing here decides them.
+Every arm is `train.py` with the default job (SmolLM2-135M-Instruct, two-digit sums, exact-answer
+reward, B = 4, G = 8, 24 new tokens, lr 1e-5, β = 0.01) under the claim's flags (CLAIMS), for K = 20
+iterations (10 for C8), a greedy held-out evaluation of 48 prompts every 5, a resume point every 5,
+seeds 0..S−1. Where the default task cannot show a claim, the claim brings its own prompts
+(experiments/data.py) or reward (experiments/rewards.py); its docstring (`doc`) says which.
+
+The rule. Each claim states its tests before any run: a per-run metric (held-out accuracy, or a
+named diagnostic), a contrast of arms (a − b, or a difference of differences), and the sign the
+article predicts. A test's 95% interval is Welch's over the seeds (experiments/stats.py); it is
+"reproduced" when the interval excludes 0 on the predicted side, "refuted" when it excludes 0 on
+the other, else "not distinguishable at this scale". The first test is the claim's verdict; the
+table writes every test's interval and verdict, computed here, never by hand. With `all`, a claim
+whose first test is not distinguishable at 3 seeds gets seeds 3 and 4 for that test's arms
+afterwards, while the runs so far have taken less than --budget-hours (default 8) of wall time.
+
+Metrics of a run (METRIC in a test or a table): `acc` the held-out accuracy at the end (exact answer,
+greedy, rescored from eval/iter_XXXX.jsonl, so a shaped or noisy training reward does not enter it);
+`acc_auc` the area under its curve over iterations 0..K divided by K (trapezoid over the
+evaluations); `acc[D]`, `acc_auc[D]` the same on the held-out prompts of difficulty D; `last5(KEY)`,
+`mean(KEY)`, `growth(KEY)` of a per-iteration key of iter_XXXX/metrics.json: the mean of the last
+5 iterations, of all, and the last 5 minus the first 3; `same_as_ref` the share of held-out answers
+identical to the reference's at the end; `peak_rss_gb`, `cpu_s_per_iter`.
+
+Runs and resuming. A run is named by its train.py flags: it lives in RUNS/pool/HASH, and each claim
+that uses it links it as RUNS/CLAIM/ARM_seedS (with its log ARM_seedS.log), so an arm shared by
+several claims (the default job is in C3, C4, C5, C9 and C10) runs once. A run with experiment.json
+is finished and never run again; a run cut short is finished with `train.py --resume` from its last
+save; one that never saved starts over. A finished run keeps its iterations' files, eval/ and tb/;
+its policy/, checkpoints/ and critic_init/ (1.6 GB a save) are deleted. experiment.json records the
+run's wall and CPU seconds (user + sys of the child, summed over its attempts; an attempt killed with
+this process is not counted) and peak RSS (the child's, which counts pages it shares with the fork
+server: compare arms within a claim). Each claim's results/CLAIM.png and CLAIM.md are written as soon
+as its runs are done (--commit commits them).
+
+Plan, on this 2-core machine when it is quiet: the default job about 12 s an iteration (README), a
+held-out evaluation of 48 prompts a few seconds; PPO 1.65× (README), G = 16 about 1.8×, 48 or 64
+tokens 1.3–1.8× when answers grow, μ = 4 about 2.5×. Minutes of new runs (wall, if nothing else runs):
+
+| order | claim | new runs (arms × seeds, K iterations) | minutes |
+|---|---|---|---|
+| 1 | C3 G ∈ {4, 8, 16} (G = 8 is the default job) | 3 × 3, K = 20 | 45 |
+| 2 | C9 all-equal groups, dynamic sampling | 1 × 3 (+ C3's), K = 20 | 25 |
+| 3 | C4 B·G = 32: 8 × 4, 4 × 8, 2 × 16 | 2 × 3 (+ C3's G8), K = 20 | 27 |
+| 4 | C1 unequal difficulty: per group, batch, TRL's batch std | 3 × 3, K = 20 | 40 |
+| 5 | C2 β ∈ {0, 0.01, 0.04} at lr 5e-5, 48 tokens | 3 × 3, K = 20 | 50 |
+| 6 | C7 lr {1e-5, 5e-5} × β {0.01, 0.04}, 48 tokens | 2 × 3 (+ C2's), K = 20 | 34 |
+| 7 | C8 clip fraction: minibatches, μ ∈ {1, 4}, two lrs | 4 × 3, K = 10 | 47 |
+| 8 | C5 GRPO vs PPO, the critic's lr swept on seed 0 | 3 + 2 PPO (+ C3's G8), K = 20 | 36 |
+| 9 | C10 reward flipped for p ∈ {0, 0.1, 0.2}, GRPO and PPO | 4 × 3 (+ C5's), K = 20 | 69 |
+| 10 | C6 a length-correlated reward, 64 tokens | 3 × 3, K = 20 | 69 |
+|  | all | 80 runs | about 7.5 h |
+
+Then, budget allowing, seeds 3 and 4 for the arms of each first test still not distinguishable.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import queue
+import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from experiments import stats
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 RUNS = os.path.join(ROOT, "experiments", "runs")
-LENGTH_REWARD = "experiments/rewards.py:class_chars"
+ITERATIONS, EVAL_EVERY, SAVE_EVERY = 20, 5, 5
+LR_HIGH = "5e-5"                    # 5 × the default job's: where drift and templates can show in 20 steps
+# --smoke: the tiny model on the sums, small batches and short answers whatever the claim asks.
+SMOKE = ["--config", "tiny", "--task", "arithmetic", "--num-prompts", "4"]
+SMOKE_LAST = ["--max-new-tokens", "8", "--eval-prompts", "4"]
+PPO = ["--algo", "ppo", "--critic-lr", "{critic_lr}"]     # the critic's lr: the sweep's pick (SWEEPS)
+VERBOSE = "experiments/rewards.py:verbose_judge"
+
+
+@dataclass
+class Test:
+    """A pre-stated test: the contrast Σ_k c_k·mean_k(metric) − offset, predicted `direction` 0."""
+    text: str                   # the prediction in words
+    metric: str                 # a per-run metric (module docstring)
+    contrast: dict              # arm -> c_k
+    direction: str              # '>' or '<'
+    offset: float = 0.0
 
 
 @dataclass
 class Claim:
-    text: str                       # the claim, as the article makes it
-    arms: dict                      # arm name -> train.py flags on top of --config tiny
-    metrics: list                   # what the figure and the table show
-    common: list = field(default_factory=list)     # flags of every arm
+    text: str                   # the claim, as the article makes it
+    doc: str                    # the task, why these arms, what is measured (written atop the table)
+    arms: dict                  # arm -> train.py flags on top of the default job and `common`
+    tests: list                 # Test; the first is the claim's verdict
+    table: list                 # per-run metrics in the table, after acc and acc_auc
+    curves: list                # per-iteration keys drawn beside the held-out accuracy
+    common: list = field(default_factory=list)
+    iterations: int = ITERATIONS
+    prompt_set: str = None      # experiments/data.py's set: --prompts and --eval-prompts-file
+    by_samples: bool = False    # arms differ in samples per iteration: also draw against samples
+    sweep: str = None           # a SWEEPS entry whose pick fills the arms' placeholders
 
 
-CLAIMS = {
-    "c1": Claim("The group z-score must be taken per group: a batch-wide normalisation learns worse.",
-                {"grpo": [], "batch": ["--estimator", "batch"]},
-                ["charts/reward_mean", "charts/frac_zero_std"]),
-    "c2": Claim("With β = 0 the policy drifts into repetition within a few updates; β = 0.01 holds it.",
-                {"beta0": ["--beta", "0"], "beta0.01": ["--beta", "0.01"]},
-                ["charts/reward_mean", "diversity/distinct_2", "diversity/repeat_4gram", "losses/kl"],
-                common=["--max-new-tokens", "24"]),
-    "c3": Claim("G from 4 to 8 helps clearly, from 8 to 16 less.",
-                {"G4": ["--group-size", "4"], "G8": ["--group-size", "8"], "G16": ["--group-size", "16"]},
-                ["charts/reward_mean", "diag/reward_std_mean", "charts/frac_zero_std", "perf/iteration_s"]),
-    "c4": Claim("With the same samples per iteration (B·G = 64), a larger G beats more prompts.",
-                {"B16xG4": ["--num-prompts", "16", "--group-size", "4"],
-                 "B8xG8": ["--num-prompts", "8", "--group-size", "8"],
-                 "B4xG16": ["--num-prompts", "4", "--group-size", "16"]},
-                ["charts/reward_mean", "eval/reward_mean"]),
-    "c5": Claim("GRPO is at least as good as PPO with a critic, steadier, and cheaper in memory.",
-                {"grpo": ["--algo", "grpo"], "ppo": ["--algo", "ppo"]},
-                ["charts/reward_mean", "eval/reward_mean", "losses/value_loss", "perf/iteration_s"]),
-    "c6": Claim("A reward that correlates with length makes answers grow; the length penalty and the "
-                "length-stratified advantage curb it.",
-                {"plain": [], "penalty0.1": ["--length-penalty", "0.1"],
-                 "penalty0.5": ["--length-penalty", "0.5"], "length_strata": ["--length-strata", "2"]},
-                ["charts/completion_len", "charts/reward/class_chars", "diag/length_reward_corr"],
-                common=["--reward", LENGTH_REWARD, "--max-new-tokens", "24"]),
-    "c7": Claim("Too high a learning rate at fixed β fixes a template and shortens answers.",
-                {"lr3e-3": ["--lr", "3e-3"], "lr1.2e-2": ["--lr", "1.2e-2"], "lr3e-2": ["--lr", "3e-2"]},
-                ["charts/reward_mean", "charts/completion_len", "diversity/distinct_2"],
-                common=["--max-new-tokens", "16"]),
+@dataclass
+class Sweep:
+    """A setting chosen by a short pre-stated search on seed 0: the value whose run scores highest on
+    `select` (a training metric, never the held-out accuracy the claims test)."""
+    flags: list                 # with {value} where the value goes
+    values: list
+    select: str
+
+
+SWEEPS = {
+    "critic_lr": Sweep(["--algo", "ppo", "--critic-lr", "{value}"], ["1e-5", "1e-4", "1e-3"],
+                       "mean(charts/reward_mean)"),
 }
 
+ACC = "acc_auc"
+CLAIMS = {
+    "c1": Claim(
+        "The group z-score must be taken per group: a batch-wide normalisation learns worse.",
+        "Task: experiments/data.py's mixed_difficulty, one-digit sums (which the model often gets) and "
+        "three-digit sums (which it rarely does) half and half, so most batches hold prompts of very "
+        "unequal difficulty (sampled, the base model gets 35% of one-digit answers and none of 96 "
+        "three-digit ones right), and the held-out set is 24 of each. Arms: per-group z-score (grpo), the "
+        "batch's mean and std (--estimator batch), and TRL's per-group mean over the batch's std "
+        "(--scale batch). Metric: held-out accuracy AUC over both difficulties; each difficulty's is "
+        "in the table. Predicted: per-group above each of the others.",
+        {"grpo": [], "batch": ["--estimator", "batch"], "scale_batch": ["--scale", "batch"]},
+        [Test("per-group beats batch-wide", ACC, {"grpo": 1, "batch": -1}, ">"),
+         Test("per-group beats TRL's batch std", ACC, {"grpo": 1, "scale_batch": -1}, ">")],
+        ["acc[one_digit]", "acc[three_digit]", "acc_auc[one_digit]", "acc_auc[three_digit]",
+         "mean(charts/frac_zero_std)"],
+        ["charts/reward_mean", "charts/frac_zero_std"], prompt_set="mixed_difficulty"),
+    "c2": Claim(
+        "With β = 0 the policy drifts into repetition within a few updates; β = 0.01 holds it.",
+        f"lr {LR_HIGH} (5 × the default) and 48 new tokens, so that drift and repetition have room to "
+        "show in 20 updates. β = 0 runs as --beta 1e-9: at β = 0 train.py makes no reference pass and "
+        "so logs no KL; 1e-9 × k3 is below float32's resolution of the loss, so the update is β = 0's. "
+        "Metrics: KL to the reference (k3 per token, the last 5 iterations), distinct-2 of the batch's "
+        "completions and their repeated 4-grams. Predicted: β = 0 further from the reference and less "
+        "diverse than β = 0.01; β = 0.04 nearer than 0.01.",
+        {"beta0": ["--beta", "1e-9"], "beta0.01": [], "beta0.04": ["--beta", "0.04"]},
+        [Test("β = 0 drifts further than β = 0.01", "last5(losses/kl)", {"beta0": 1, "beta0.01": -1}, ">"),
+         Test("β = 0 is less diverse than β = 0.01", "last5(diversity/distinct_2)",
+              {"beta0": 1, "beta0.01": -1}, "<"),
+         Test("β = 0 repeats more than β = 0.01", "last5(diversity/repeat_4gram)",
+              {"beta0": 1, "beta0.01": -1}, ">"),
+         Test("β = 0.04 stays nearer than β = 0.01", "last5(losses/kl)", {"beta0.04": 1, "beta0.01": -1}, "<")],
+        ["last5(losses/kl)", "last5(diversity/distinct_2)", "last5(diversity/repeat_4gram)",
+         "last5(charts/completion_len)", "same_as_ref"],
+        ["losses/kl", "diversity/distinct_2", "diversity/repeat_4gram", "charts/completion_len"],
+        common=["--lr", LR_HIGH, "--max-new-tokens", "48"]),
+    "c3": Claim(
+        "G from 4 to 8 helps clearly, from 8 to 16 less.",
+        "The default job with G ∈ {4, 8, 16} at B = 4 (so a larger G also means more samples per "
+        "iteration; C4 holds them fixed). Metric: held-out accuracy AUC. Predicted: G = 8 above G = 4, "
+        "and the gain from 8 to 16 below the gain from 4 to 8 (G16 − 2·G8 + G4 < 0). frac_zero_std, "
+        "the share of all-equal groups, is the mechanism and is in the table.",
+        {"G4": ["--group-size", "4"], "G8": [], "G16": ["--group-size", "16"]},
+        [Test("G 4 → 8 helps", ACC, {"G8": 1, "G4": -1}, ">"),
+         Test("8 → 16 helps less than 4 → 8", ACC, {"G16": 1, "G8": -2, "G4": 1}, "<")],
+        ["mean(charts/frac_zero_std)", "mean(charts/reward_mean)", "cpu_s_per_iter"],
+        ["charts/reward_mean", "charts/frac_zero_std"], by_samples=True),
+    "c4": Claim(
+        "With the same samples per iteration, a larger G beats more prompts.",
+        "The default job at B·G = 32: 8 prompts × G = 4, 4 × 8 (the default), 2 × 16. Metric: held-out "
+        "accuracy AUC. Predicted: 2 × 16 above 8 × 4, and 4 × 8 above 8 × 4.",
+        {"B8xG4": ["--num-prompts", "8", "--group-size", "4"], "B4xG8": [],
+         "B2xG16": ["--num-prompts", "2", "--group-size", "16"]},
+        [Test("2 × 16 beats 8 × 4", ACC, {"B2xG16": 1, "B8xG4": -1}, ">"),
+         Test("4 × 8 beats 8 × 4", ACC, {"B4xG8": 1, "B8xG4": -1}, ">")],
+        ["mean(charts/frac_zero_std)", "mean(charts/reward_mean)"],
+        ["charts/reward_mean", "charts/frac_zero_std"]),
+    "c5": Claim(
+        "GRPO is at least as good as PPO with a critic, steadier, and cheaper in memory.",
+        "The default job, GRPO against PPO (--algo ppo: a critic initialised from the policy's own "
+        "weights with a zero value head, GAE γ = 1, λ = 0.95). The critic's learning rate is chosen "
+        "first, on seed 0, from {1e-5, 1e-4, 1e-3} by the PPO run's mean training reward (the sweep's "
+        "table below); PPO's other seeds use the pick. Metric: held-out accuracy AUC; predicted GRPO "
+        "above PPO (a result not distinguishable is what 'at least as good' allows, but does not "
+        "show). Peak RSS and CPU seconds per iteration are tests of 'cheaper'; 'steadier' is read "
+        "from the spread over seeds in the table, not tested.",
+        {"grpo": [], "ppo": PPO},
+        [Test("GRPO learns at least as well as PPO", ACC, {"grpo": 1, "ppo": -1}, ">"),
+         Test("GRPO needs less memory", "peak_rss_gb", {"grpo": 1, "ppo": -1}, "<"),
+         Test("GRPO needs less CPU per iteration", "cpu_s_per_iter", {"grpo": 1, "ppo": -1}, "<")],
+        ["mean(charts/reward_mean)", "mean(charts/explained_variance)", "cpu_s_per_iter"],
+        ["charts/reward_mean", "losses/value_loss", "charts/explained_variance"], sweep="critic_lr"),
+    "c6": Claim(
+        "A reward that correlates with length makes answers grow; the length penalty and the "
+        "length-stratified advantage curb it.",
+        "Reward: experiments/rewards.py's verbose_judge, the exact answer plus 0.01 per completion "
+        "token up to 0.4 (40 tokens), with 64 new tokens allowed, about 3 times the model's starting "
+        "length (about 20 tokens). In a group whose answers are all wrong, the z-score makes the "
+        "small length bonus the whole advantage. Arms: plain, --length-penalty 0.32 (−0.32·|o|/64: "
+        "half the judge's bonus per token), --length-strata 2. Metric: completion length (the last 5 iterations). Predicted: "
+        "plain grows (last 5 − first 3 > 0), the penalty and the strata end shorter than plain.",
+        {"plain": [], "penalty": ["--length-penalty", "0.32"], "strata": ["--length-strata", "2"]},
+        [Test("answers grow under the plain reward", "growth(charts/completion_len)", {"plain": 1}, ">"),
+         Test("the length penalty curbs it", "last5(charts/completion_len)", {"penalty": 1, "plain": -1}, "<"),
+         Test("length strata curb it", "last5(charts/completion_len)", {"strata": 1, "plain": -1}, "<")],
+        ["last5(charts/completion_len)", "growth(charts/completion_len)", "last5(charts/truncated_frac)",
+         "mean(diag/length_reward_corr)"],
+        ["charts/completion_len", "diag/length_reward_corr", "charts/truncated_frac"],
+        common=["--reward", VERBOSE, "--max-new-tokens", "64"]),
+    "c7": Claim(
+        "Too high a learning rate at fixed β fixes a template and shortens answers; lr and β are coupled.",
+        f"lr ∈ {{1e-5, {LR_HIGH}}} × β ∈ {{0.01, 0.04}}, 48 new tokens (the high-lr arms are C2's). "
+        "Metrics: distinct-2 of the batch's completions and the completion length (the last 5 "
+        "iterations). Predicted: at β = 0.01 the high lr is less diverse and shorter; and the coupling: "
+        "raising β restores more diversity at the high lr than at the low one.",
+        {"lr1e-5_beta0.01": [], "lr1e-5_beta0.04": ["--beta", "0.04"], f"lr{LR_HIGH}_beta0.01": ["--lr", LR_HIGH],
+         f"lr{LR_HIGH}_beta0.04": ["--lr", LR_HIGH, "--beta", "0.04"]},
+        [Test("a high lr fixes a template", "last5(diversity/distinct_2)",
+              {f"lr{LR_HIGH}_beta0.01": 1, "lr1e-5_beta0.01": -1}, "<"),
+         Test("a high lr shortens answers", "last5(charts/completion_len)",
+              {f"lr{LR_HIGH}_beta0.01": 1, "lr1e-5_beta0.01": -1}, "<"),
+         Test("β restores more diversity at the high lr (coupling)", "last5(diversity/distinct_2)",
+              {f"lr{LR_HIGH}_beta0.04": 1, f"lr{LR_HIGH}_beta0.01": -1, "lr1e-5_beta0.04": -1,
+               "lr1e-5_beta0.01": 1}, ">")],
+        ["last5(diversity/distinct_2)", "last5(charts/completion_len)", "last5(losses/kl)",
+         "last5(diversity/first_line_share)"],
+        ["diversity/distinct_2", "charts/completion_len", "losses/kl"], common=["--max-new-tokens", "48"]),
+    "c8": Claim(
+        "The clip is a fuse that normal training rarely touches.",
+        "The default job with minibatches of 8 completions (4 AdamW steps per pass over the 32), μ = 1 "
+        "or 4 passes, at lr 1e-5 or 5e-5; 10 iterations (clip_frac is read every step, and the "
+        "held-out accuracy is not the point). Metric: losses/clip_frac, the share of completion tokens "
+        "whose objective was clipped, averaged over the run. Predicted: below 2% in normal training "
+        "(μ = 1, lr 1e-5); higher with μ = 4; higher at the high lr.",
+        {"mu1_lr1e-5": ["--minibatch-size", "8"], "mu4_lr1e-5": ["--minibatch-size", "8", "--epochs", "4"],
+         f"mu1_lr{LR_HIGH}": ["--minibatch-size", "8", "--lr", LR_HIGH],
+         f"mu4_lr{LR_HIGH}": ["--minibatch-size", "8", "--epochs", "4", "--lr", LR_HIGH]},
+        [Test("normal training clips under 2% of tokens", "mean(losses/clip_frac)", {"mu1_lr1e-5": 1}, "<",
+              offset=0.02),
+         Test("μ = 4 clips more than μ = 1", "mean(losses/clip_frac)", {"mu4_lr1e-5": 1, "mu1_lr1e-5": -1}, ">"),
+         Test("a high lr clips more (μ = 4)", "mean(losses/clip_frac)",
+              {f"mu4_lr{LR_HIGH}": 1, "mu4_lr1e-5": -1}, ">")],
+        ["mean(losses/clip_frac)", "mean(losses/ratio_max)", "mean(losses/kl)"],
+        ["losses/clip_frac", "losses/ratio_max"], iterations=10),
+    "c9": Claim(
+        "All-equal groups carry no signal; a larger G, or dynamic sampling, is the remedy.",
+        "The default job (exact-answer reward: binary, so many groups are all wrong) with G ∈ {4, 8, 16} "
+        "(C3's runs) and G = 8 with --dynamic-sampling (DAPO: up to 3 sampling rounds refill the batch "
+        "with groups that have spread). Metrics: frac_zero_std (the share of all-equal groups) over "
+        "the run, and held-out accuracy AUC. Predicted: fewer all-equal groups at G = 16 than at 4; "
+        "dynamic sampling learns more than plain G = 8.",
+        {"G4": ["--group-size", "4"], "G8": [], "G16": ["--group-size", "16"],
+         "G8_dynamic": ["--dynamic-sampling"]},
+        [Test("larger G leaves fewer all-equal groups", "mean(charts/frac_zero_std)", {"G16": 1, "G4": -1}, "<"),
+         Test("dynamic sampling learns more", ACC, {"G8_dynamic": 1, "G8": -1}, ">")],
+        ["mean(charts/frac_zero_std)", "mean(charts/sample_rounds)", "mean(charts/reward_mean)", "cpu_s_per_iter"],
+        ["charts/frac_zero_std", "charts/reward_mean"], by_samples=True),
+    "c10": Claim(
+        "GRPO needs a cleaner reward than PPO: noise enters the group ranking directly.",
+        "The default job with the exact-answer reward flipped (1 ↔ 0) at random for a share p of the "
+        "rows (experiments/rewards.py: flip_10, flip_20; p = 0 is the plain reward), GRPO and PPO (the "
+        "critic lr of C5's sweep). Held-out accuracy is rescored without noise. Metric: held-out "
+        "accuracy AUC. Predicted: the noise costs GRPO more than PPO, "
+        "(GRPO_0 − GRPO_p) − (PPO_0 − PPO_p) > 0, at p = 0.2 (the verdict) and 0.1.",
+        {"grpo_p0": [], "grpo_p0.1": ["--reward", "experiments/rewards.py:flip_10"],
+         "grpo_p0.2": ["--reward", "experiments/rewards.py:flip_20"], "ppo_p0": PPO,
+         "ppo_p0.1": [*PPO, "--reward", "experiments/rewards.py:flip_10"],
+         "ppo_p0.2": [*PPO, "--reward", "experiments/rewards.py:flip_20"]},
+        [Test("noise p = 0.2 costs GRPO more than PPO", ACC,
+              {"grpo_p0": 1, "grpo_p0.2": -1, "ppo_p0": -1, "ppo_p0.2": 1}, ">"),
+         Test("noise p = 0.1 costs GRPO more than PPO", ACC,
+              {"grpo_p0": 1, "grpo_p0.1": -1, "ppo_p0": -1, "ppo_p0.1": 1}, ">"),
+         Test("noise p = 0.2 costs GRPO", ACC, {"grpo_p0": 1, "grpo_p0.2": -1}, ">")],
+        ["mean(charts/reward_mean)", "mean(charts/frac_zero_std)"],
+        ["charts/reward_mean"], sweep="critic_lr"),
+}
+# Cheapest and most informative first; C3 makes the default job's runs that C4, C5, C9 and C10 share.
+ORDER = ["c3", "c9", "c4", "c1", "c2", "c7", "c8", "c5", "c10", "c6"]
+
+
+# --- running train.py --------------------------------------------------------------------------
 
 # Imported once by the fork server, so that no run pays for them again (a tiny run takes about a
 # second; these imports take several).
@@ -78,26 +298,32 @@ PRELOAD = ["train", "torch.utils.tensorboard", "transformers.models.llama.modeli
            "transformers.generation.utils"]
 
 
+class RunFailed(Exception):
+    pass
+
+
 def child_run(argv, log_path, usage):
-    """One training run in a child of the fork server: train.py's main with its output in log_path;
-    puts the child's peak RSS (MiB) into `usage`."""
+    """One training run in a child of the fork server: train.py's main with its output appended to
+    log_path; puts the child's (peak RSS in MiB, CPU seconds) into `usage`."""
     import resource
 
     import train
     from grpo.cli import run_cli
 
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    print(f"$ python train.py {' '.join(argv)}", flush=True)
     sys.argv = ["train.py", *argv]
     try:
         run_cli(lambda: train.main(argv))
     finally:
-        usage.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        usage.put((me.ru_maxrss / 1024, me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime))
 
 
-def run_child(argv, log_path):
-    """train.main(argv) in a child of a fork server; returns (exit code, seconds, peak RSS in MiB).
+def run_child(argv, log_path, pid_path):
+    """train.main(argv) in a child of a fork server; returns (exit code, wall s, CPU s, peak RSS MiB).
 
     Not os.fork() of this process: after torch has run here (as in the test suite), its thread pools'
     locks can be held at the fork and the child would hang. The fork server is a fresh process that
@@ -110,132 +336,416 @@ def run_child(argv, log_path):
     start = time.perf_counter()
     child = context.Process(target=child_run, args=(argv, log_path, usage))
     child.start()
-    child.join()
+    with open(pid_path, "w") as f:
+        f.write(str(child.pid))
+    try:
+        child.join()
+    finally:
+        if child.is_alive():                          # this process was interrupted: stop the run too
+            child.terminate()
+            child.join()
+        os.remove(pid_path)
     seconds = time.perf_counter() - start
     try:
-        rss = usage.get(timeout=10)
+        rss, cpu = usage.get(timeout=10)
     except queue.Empty:                               # the child died before it could say
-        rss = float("nan")
-    return child.exitcode, seconds, rss
+        rss, cpu = float("nan"), float("nan")
+    return child.exitcode, seconds, cpu, rss
 
 
-def run_claim(name, seeds, iterations, runs_root=RUNS, results=RESULTS):
-    """Every arm × seed of a claim (a finished run is not run again), then its PNG and table."""
-    from experiments import plot
+def canonical(argv):
+    """train.py flags in one order (by flag name; a flag given twice keeps its last values, as
+    train.py's parser does), so that two claims asking for the same run name the same one."""
+    flags, current = {}, None
+    for token in argv:
+        if token.startswith("--"):
+            current = token
+            flags[current] = []
+        else:
+            flags[current].append(token)
+    return [x for flag in sorted(flags) for x in (flag, *flags[flag])]
 
+
+def flag_value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def link(target, name):
+    """`name` -> `target` as a relative symlink (replacing a link to elsewhere)."""
+    os.makedirs(os.path.dirname(name), exist_ok=True)
+    relative = os.path.relpath(target, os.path.dirname(name))
+    if os.path.islink(name) and os.readlink(name) != relative:
+        os.remove(name)
+    if not os.path.lexists(name):
+        os.symlink(relative, name)
+
+
+def ensure_run(argv, runs_root, name, label):
+    """The record (experiment.json) of the finished run of `argv` (train.py flags, no --run-dir): found,
+    finished with --resume, or run; linked as RUNS/`name`. Raises RunFailed."""
+    argv = canonical(argv)
+    key = hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:12]
+    run_dir = os.path.join(runs_root, "pool", key)
+    log, pid, attempts_path = run_dir + ".log", run_dir + ".pid", run_dir + ".attempts.json"
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    link(run_dir, os.path.join(runs_root, name))
+    link(log, os.path.join(runs_root, name + ".log"))
+    done = os.path.join(run_dir, "experiment.json")
+    if os.path.isfile(done):
+        return json.load(open(done))
+    if os.path.isfile(pid):
+        other = int(open(pid).read() or 0)
+        try:
+            os.kill(other, 0)
+        except ProcessLookupError:
+            os.remove(pid)                            # left by a process that no longer exists
+        else:
+            raise RunFailed(f"{label}: {run_dir} is being run by process {other}; wait for it or stop it")
+    attempts = json.load(open(attempts_path)) if os.path.isfile(attempts_path) else []
+    state = os.path.join(run_dir, "policy", "train_state.json")
+    if os.path.isfile(state) and os.path.isfile(os.path.join(run_dir, "config.json")):
+        resumed_from = json.load(open(state))["iteration"]
+        kept = [x for f in ("--iterations", "--eval-every", "--save-every") for x in (f, flag_value(argv, f))]
+        train_argv = ["--run-dir", run_dir, "--resume", *kept]
+        print(f"{label}: resuming after iteration {resumed_from} ({run_dir})", flush=True)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        resumed_from, train_argv = 0, [*argv, "--run-dir", run_dir]
+        print(f"{label}: running ({run_dir})", flush=True)
+    code, wall, cpu, rss = run_child(train_argv, log, pid)
+    attempts.append({"from_iteration": resumed_from, "exit_code": code, "wall_s": wall, "cpu_s": cpu,
+                     "peak_rss_mb": rss})
+    with open(attempts_path, "w") as f:
+        json.dump(attempts, f, indent=1)
+    if code != 0:
+        raise RunFailed(f"{label}: train.py failed (exit code {code}); see {log}")
+    for folder in ("policy", "checkpoints", "critic_init"):
+        shutil.rmtree(os.path.join(run_dir, folder), ignore_errors=True)
+    record = {"argv": argv, "first_asked_by": label, "iterations": int(flag_value(argv, "--iterations")),
+              "wall_s": sum(a["wall_s"] for a in attempts), "cpu_s": sum(a["cpu_s"] for a in attempts),
+              "peak_rss_mb": max(a["peak_rss_mb"] for a in attempts), "attempts": attempts}
+    with open(done, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"{label}: done in {wall / 60:.1f} min (CPU {cpu / 60:.1f} min), peak RSS {rss / 1024:.2f} GiB",
+          flush=True)
+    return record
+
+
+# --- one claim ---------------------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    """What every run of an invocation shares."""
+    runs_root: str
+    results: str
+    base: list                  # train.py flags under every arm: [] (the default job), or SMOKE
+    last: list = field(default_factory=list)      # flags over every arm's: SMOKE_LAST
+    iterations: int = None      # overrides each claim's K (--smoke, --iterations)
+    eval_every: int = EVAL_EVERY
+    save_every: int = SAVE_EVERY
+
+    def argv(self, claim, flags, seed):
+        data = []
+        if claim.prompt_set:
+            from experiments import data as prompt_sets
+
+            train, held_out = prompt_sets.write_prompt_set(claim.prompt_set, os.path.join(self.runs_root, "data"))
+            data = ["--prompts", relative(train), "--eval-prompts-file", relative(held_out)]
+        return canonical([*self.base, *data, *claim.common, *flags, *self.last, "--seed", str(seed),
+                          "--iterations", str(self.iterations or claim.iterations), "--eval-every",
+                          str(self.eval_every), "--save-every", str(self.save_every)])
+
+
+def relative(path):
+    """A path under the repository as the runs name it (relative to it); any other as it is."""
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+
+
+def resolve(claim, name, setup):
+    """The claim's arms with the sweep's pick in place of its placeholder (running the sweep first);
+    returns (arms, sweep rows or None)."""
+    if not claim.sweep:
+        return dict(claim.arms), None
+    sweep = SWEEPS[claim.sweep]
+    rows = []
+    for value in sweep.values:
+        flags = [f.replace("{value}", value) for f in sweep.flags]
+        argv = setup.argv(claim, flags, 0)
+        record = ensure_run(argv, setup.runs_root, f"sweep_{claim.sweep}/{value}_seed0",
+                            f"{name} sweep {claim.sweep}={value} seed 0")
+        run = Run(os.path.join(setup.runs_root, f"sweep_{claim.sweep}", f"{value}_seed0"), record)
+        rows.append((value, run.metric(sweep.select), run.metric(ACC), run))
+    pick = max(rows, key=lambda row: row[1])[0]
+    arms = {arm: [f.replace("{" + claim.sweep + "}", pick) for f in flags] for arm, flags in claim.arms.items()}
+    return arms, (sweep, rows, pick)
+
+
+def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
+    """Every arm × seed of a claim (finished runs are not run again), then its PNG and table; returns
+    the table. `arm_seeds` ({arm: seeds}) asks some arms for more seeds than `seeds`."""
     claim = CLAIMS[name]
-    os.makedirs(os.path.join(runs_root, name), exist_ok=True)
-    stats = {}
-    for arm, flags in claim.arms.items():
-        for seed in range(seeds):
-            run_dir = os.path.join(runs_root, name, f"{arm}_seed{seed}")
-            argv = ["--config", "tiny", *claim.common, *flags, "--seed", str(seed), "--iterations",
-                    str(iterations), "--eval-every", str(max(iterations // 3, 1)), "--run-dir", run_dir]
-            done = os.path.join(run_dir, "experiment.json")
-            if os.path.isfile(done) and json.load(open(done))["argv"] == argv:     # this very run, done
-                stats[run_dir] = json.load(open(done))
-                continue
-            shutil.rmtree(run_dir, ignore_errors=True)
-            code, seconds, rss = run_child(argv, run_dir + ".log")
-            if code != 0:
-                raise SystemExit(f"{name} {arm} seed {seed}: train.py failed; see {run_dir}.log")
-            os.replace(run_dir + ".log", os.path.join(run_dir, "train.log"))
-            stats[run_dir] = {"argv": argv, "iterations": iterations, "wall_s": seconds, "peak_rss_mb": rss}
-            with open(done, "w") as f:
-                json.dump(stats[run_dir], f, indent=1)
-            print(f"{name} {arm} seed {seed}: {seconds:.1f} s, peak RSS {rss:.0f} MiB", flush=True)
-    run_dirs = list(stats)
-    curves = plot.arms(run_dirs, claim.metrics, strict=False)
-    os.makedirs(results, exist_ok=True)
-    plot.plot(curves, claim.metrics, os.path.join(results, f"{name}.png"),
-              title=f"{name.upper()}: {claim.text}" if len(claim.text) < 90 else name.upper())
-    table = summary_table(name, claim, run_dirs, stats, seeds, iterations)
-    with open(os.path.join(results, f"{name}.md"), "w") as f:
+    arms, sweep = resolve(claim, name, setup)
+    arm_seeds = {arm: max(seeds, (arm_seeds or {}).get(arm, 0)) for arm in arms}
+    records = {}
+    for seed in range(max(arm_seeds.values())):                  # seed-major: every arm has seed 0 first
+        for arm, flags in arms.items():
+            if seed < arm_seeds[arm]:
+                records[(arm, seed)] = ensure_run(setup.argv(claim, flags, seed), setup.runs_root,
+                                                  f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}")
+    runs = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"), records[(arm, s)])
+                  for s in range(arm_seeds[arm])] for arm in arms}
+    os.makedirs(setup.results, exist_ok=True)
+    figure(name, claim, runs, os.path.join(setup.results, f"{name}.png"))
+    table = summary_table(name, claim, arms, runs, sweep, setup)
+    with open(os.path.join(setup.results, f"{name}.md"), "w") as f:
         f.write(table)
+    if commit:
+        paths = [os.path.relpath(os.path.join(setup.results, f"{name}.{ext}"), ROOT) for ext in ("md", "png")]
+        subprocess.run(["git", "add", *paths], cwd=ROOT, check=False)
+        subprocess.run(["git", "commit", "-q", "-m", f"experiments/results: {name} on the default model "
+                        f"({min(arm_seeds.values())}+ seeds per arm)", "--", *paths], cwd=ROOT, check=False)
     return table
 
 
-def per_iteration(run_dir, metric):
-    """The metric's value at each iteration that has it, from iter_XXXX/metrics.json."""
-    values = []
-    for entry in sorted(os.listdir(run_dir)):
-        path = os.path.join(run_dir, entry, "metrics.json")
-        if entry.startswith("iter_") and os.path.isfile(path):
-            value = json.load(open(path)).get(metric)
-            if isinstance(value, (int, float)):
-                values.append(value)
-    return values
+# --- a run's numbers ---------------------------------------------------------------------------
+
+class Run:
+    """A finished run's iteration metrics, held-out answers and record (experiment.json)."""
+
+    def __init__(self, run_dir, record):
+        self.dir, self.record = run_dir, record
+        self.config = json.load(open(os.path.join(run_dir, "config.json")))["config"]
+        self.iters = {}
+        for entry in sorted(os.listdir(run_dir)):
+            path = os.path.join(run_dir, entry, "metrics.json")
+            if entry.startswith("iter_") and os.path.isfile(path):
+                self.iters[int(entry[5:])] = json.load(open(path))
+        self.evals = {}
+        for entry in sorted(os.listdir(os.path.join(run_dir, "eval"))):
+            with open(os.path.join(run_dir, "eval", entry)) as f:
+                self.evals[int(entry[5:9])] = [json.loads(line) for line in f if line.strip()]
+
+    def series(self, key):
+        """{iteration: value} of a per-iteration key, or of the held-out accuracy: `acc` or `acc[D]`."""
+        match = re.fullmatch(r"acc(?:\[(\w+)\])?", key)
+        if match:
+            return {step: accuracy(rows, match.group(1)) for step, rows in self.evals.items()}
+        return {i: m[key] for i, m in self.iters.items() if isinstance(m.get(key), (int, float))}
+
+    def metric(self, name):
+        """One number of the run (module docstring); NaN where the run has none."""
+        match = re.fullmatch(r"(acc)(_auc)?(\[\w+\])?", name)
+        if match:
+            curve = self.series("acc" + (match.group(3) or ""))
+            steps = sorted(curve)
+            if match.group(2) is None:
+                return curve[steps[-1]]
+            x, y = np.array(steps, dtype=np.float64), np.array([curve[s] for s in steps])
+            return float(np.sum((y[1:] + y[:-1]) / 2 * np.diff(x)) / (x[-1] - x[0])) if len(x) > 1 else y[0]
+        match = re.fullmatch(r"(last5|mean|growth)\((.+)\)", name)
+        if match:
+            values = [v for _, v in sorted(self.series(match.group(2)).items())]
+            if not values:
+                return float("nan")
+            return {"last5": lambda: np.mean(values[-5:]), "mean": lambda: np.mean(values),
+                    "growth": lambda: np.mean(values[-5:]) - np.mean(values[:3])}[match.group(1)]()
+        if name == "same_as_ref":
+            rows = self.evals[max(self.evals)]
+            return sum(r["completion"] == r["ref_completion"] for r in rows) / len(rows)
+        if name == "peak_rss_gb":
+            return self.record["peak_rss_mb"] / 1024
+        if name == "cpu_s_per_iter":
+            return self.record["cpu_s"] / self.record["iterations"]
+        raise ValueError(f"unknown run metric {name!r}")
+
+    def samples_seen(self):
+        """{iteration: completions sampled before it}: B·G per sampling round."""
+        per_round = self.config["num_prompts"] * self.config["group_size"]
+        seen, total = {0: 0}, 0
+        for i in sorted(self.iters):
+            total += per_round * self.iters[i].get("charts/sample_rounds", 1)
+            seen[i + 1] = total
+        return seen
 
 
-def mean_std(values):
+def accuracy(rows, difficulty=None):
+    """Exact-answer accuracy of held-out rows (optionally those of one difficulty)."""
+    from grpo.tasks import exact_answer
+
+    rows = [r for r in rows if difficulty is None or r.get("difficulty") == difficulty]
+    return float(np.mean(exact_answer(None, [r["completion"] for r in rows], [r["answer"] for r in rows])))
+
+
+# --- the decision, the table and the figure ----------------------------------------------------
+
+def decide(test, values):
+    """(estimate, low, high, df, verdict) of a test; values: {arm: [per-seed metric]}."""
+    est, low, high, df = stats.welch_interval(values, test.contrast, test.offset)
+    return est, low, high, df, stats.verdict(low, high, test.direction)
+
+
+def contrast_text(test):
+    terms = []
+    for arm, c in test.contrast.items():
+        sign = "−" if c < 0 else "+"
+        terms.append(f"{sign} {'' if abs(c) == 1 else f'{abs(c):g}·'}{arm}")
+    text = " ".join(terms).lstrip("+ ")
+    return text + (f" − {test.offset:g}" if test.offset else "")
+
+
+def mean_std(values, digits=3):
     values = np.array(values, dtype=np.float64)
+    if len(values) == 0 or np.isnan(values).all():
+        return "–"
+    values = values[~np.isnan(values)]
     std = values.std(ddof=1) if len(values) > 1 else 0.0
-    return f"{values.mean():.3f} ± {std:.3f}"
+    return f"{values.mean():.{digits}f} ± {std:.{digits}f}"
 
 
-def summary_table(name, claim, run_dirs, stats, seeds, iterations):
-    """The claim's markdown table: per arm, mean ± std over the seeds."""
-    from experiments.plot import arm_of
-
-    lines = [f"# {name.upper()}: {claim.text}", "",
-             f"`python -m experiments.claims {name} --seeds {seeds} --iterations {iterations}`: "
-             f"train.py --config tiny{''.join(' ' + f for f in claim.common)}; "
-             f"mean ± std over {seeds} seed(s). "
-             f"final = mean of the last 5 iterations, AUC = mean over all {iterations}. Peak RSS is the "
-             f"forked run's, which counts pages it shares with the fork server: compare arms "
-             f"within a claim, not across claims.", ""]
-    logged = [m for m in claim.metrics if not m.startswith("eval/")]
-    header = ["arm"] + [f"{m} {k}" for m in logged for k in ("final", "AUC")] + ["wall s", "peak RSS MiB"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for arm in claim.arms:
-        runs = [d for d in run_dirs if arm_of(d) == arm]
-        cells = [arm]
-        for metric in logged:
-            curves = [per_iteration(d, metric) for d in runs]
-            if not all(curves):
-                cells += ["–", "–"]
-                continue
-            cells += [mean_std([np.mean(c[-5:]) for c in curves]), mean_std([np.mean(c) for c in curves])]
-        cells += [mean_std([stats[d][k] for d in runs]) for k in ("wall_s", "peak_rss_mb")]
+def summary_table(name, claim, arms, runs, sweep, setup):
+    """The claim's markdown: its pre-stated tests with intervals and verdicts, then per arm the metrics
+    (mean ± std over seeds), times and memory, then the compute."""
+    base = " ".join(setup.base) or "the default job"
+    K = setup.iterations or claim.iterations
+    seeds = sorted({len(rs) for rs in runs.values()})
+    lines = [f"# {name.upper()}: {claim.text}", "", claim.doc, "",
+             f"Each arm: `train.py` ({base}){''.join(' ' + f for f in claim.common)} + the arm's flags"
+             f"{''.join(' ' + f for f in setup.last)}, "
+             f"`--iterations {K} --eval-every {setup.eval_every} --seed S`, seeds 0–{max(seeds) - 1} "
+             f"({'/'.join(map(str, seeds))} per arm). Command: `python -m experiments.claims {name}`.", "",
+             "## Pre-stated tests (Welch 95% interval over seeds; the first is the claim's verdict)", "",
+             "| test | metric | contrast | predicted | estimate | 95% interval | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for test in claim.tests:
+        values = {arm: [r.metric(test.metric) for r in runs[arm]] for arm in test.contrast}
+        est, low, high, df, verdict = decide(test, values)
+        interval = "– (fewer than 2 seeds)" if low is None else f"[{low:+.3f}, {high:+.3f}] (ν = {df:.1f})"
+        lines.append(f"| {test.text} | `{test.metric}` | {contrast_text(test)} | {test.direction} 0 | "
+                     f"{est:+.3f} | {interval} | **{verdict}** |")
+    metrics = ["acc", "acc_auc", *claim.table]
+    lines += ["", "## Arms (mean ± std over seeds)", "",
+              "| arm | flags | seeds | " + " | ".join(f"`{m}`" for m in metrics) +
+              " | wall min | CPU min | peak RSS GiB |", "|" + "---|" * (len(metrics) + 6)]
+    for arm, rs in runs.items():
+        cells = [arm, " ".join(arms[arm]) or "–", str(len(rs))]
+        cells += [mean_std([r.metric(m) for r in rs]) for m in metrics]
+        cells += [mean_std([r.record[k] / 60 for r in rs], 1) for k in ("wall_s", "cpu_s")]
+        cells.append(mean_std([r.record["peak_rss_mb"] / 1024 for r in rs], 2))
         lines.append("| " + " | ".join(cells) + " |")
-    evals = [m for m in claim.metrics if m.startswith("eval/")]
-    if evals:
-        lines += ["", "Held-out (greedy, 12 prompts) at the end, mean ± std over the seeds:", ""]
-        for arm in claim.arms:
-            runs = [d for d in run_dirs if arm_of(d) == arm]
-            finals = [last_logged(d, evals[0]) for d in runs]
-            lines.append(f"- {arm}: {evals[0]} {mean_std(finals)}")
+    if sweep:
+        spec, rows, pick = sweep
+        lines += ["", f"Sweep on seed 0 ({' '.join(spec.flags)}), chosen by `{spec.select}`: " +
+                  ", ".join(f"{v}: {s:.3f} (acc_auc {a:.3f})" for v, s, a, _ in rows) + f"; picked {pick}."]
+    every = {os.path.realpath(r.dir): r for rs in [*runs.values(), [row[3] for row in sweep[1]] if sweep else []]
+             for r in rs}
+    own = [r for r in every.values() if r.record["first_asked_by"].startswith(name + " ")]
+    hours = lambda rs, k: sum(r.record[k] for r in rs) / 3600                      # noqa: E731
+    lines += ["", f"Compute: {len(every)} runs, {hours(every.values(), 'wall_s'):.2f} h wall and "
+              f"{hours(every.values(), 'cpu_s'):.2f} h CPU; of these, {len(own)} runs first made for "
+              f"{name} ({hours(own, 'wall_s'):.2f} h wall, {hours(own, 'cpu_s'):.2f} h CPU), the others "
+              "shared with another claim. Wall time is inflated when the machine is shared; CPU is user + "
+              "sys of the run's process. Peak RSS counts pages shared with the fork server."]
     return "\n".join(lines) + "\n"
 
 
-def last_logged(run_dir, metric):
-    """The metric at the end of the run: the last held-out evaluation, read from the event files."""
-    from experiments.plot import read_scalars
+def figure(name, claim, runs, out):
+    """Held-out accuracy and the claim's curves against the iteration, mean ± std over seeds (and
+    against samples when the arms differ in samples per iteration)."""
+    from experiments import plot
 
-    values = read_scalars(run_dir, [metric])[metric]
-    return values[max(values)]
+    difficulties = sorted({r.get("difficulty") for rs in runs.values() for r in rs[0].evals[0]} - {None})
+    keys = ["acc", *[f"acc[{d}]" for d in difficulties], *claim.curves]
+    curves, samples = {}, {}
+    for arm, rs in runs.items():
+        series = {k: [r.series(k) for r in rs] for k in keys}
+        curves[arm] = {k: plot.mean_and_std(v) for k, v in series.items() if all(v)}
+        seen = [r.samples_seen() for r in rs]
+        samples[arm] = {s: np.mean([x.get(s, np.nan) for x in seen]) for s in set().union(*seen)}
+    names = {"acc": "held-out accuracy", **{f"acc[{d}]": f"held-out accuracy, {d}" for d in difficulties}}
+    curves = {arm: {names.get(k, k): v for k, v in c.items()} for arm, c in curves.items()}
+    plot.plot(curves, [names.get(k, k) for k in keys], out, title=f"{name.upper()}: {claim.text}"[:110],
+              samples=samples if claim.by_samples else None)
+
+
+# --- the command line --------------------------------------------------------------------------
+
+def unclear_arms(name, setup, seeds):
+    """The arms of the claim's first test when, at `seeds`, it is not distinguishable; else {}."""
+    claim = CLAIMS[name]
+    arms, _ = resolve(claim, name, setup)
+    test = claim.tests[0]
+    values = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"),
+                        json.load(open(os.path.join(setup.runs_root, name, f"{arm}_seed{s}", "experiment.json"))))
+                    .metric(test.metric) for s in range(seeds)] for arm in test.contrast}
+    return {} if decide(test, values)[4] != stats.UNCLEAR else dict.fromkeys(test.contrast)
+
+
+def spent_hours(runs_root):
+    """Wall hours of every finished run under runs_root."""
+    total = 0.0
+    pool = os.path.join(runs_root, "pool")
+    for key in os.listdir(pool) if os.path.isdir(pool) else []:
+        path = os.path.join(pool, key, "experiment.json")
+        if os.path.isfile(path):
+            total += json.load(open(path))["wall_s"]
+    return total / 3600
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("claim", choices=[*CLAIMS, "all"])
+    p.add_argument("claims", nargs="+", choices=[*CLAIMS, "all"], metavar="CLAIM",
+                   help=f"{', '.join(CLAIMS)}, or all (in the order {' '.join(ORDER)})")
     p.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
-    p.add_argument("--iterations", type=int, default=30, help="iterations per run (default 30, tiny's)")
+    p.add_argument("--max-seeds", type=int, default=5,
+                   help="with all: seeds for the arms of a first test still unclear (default 5; 0: off)")
+    p.add_argument("--budget-hours", type=float, default=8.0,
+                   help="with all: no more seeds once the finished runs took this much wall time")
+    p.add_argument("--iterations", type=int, default=None, help="K of every run (default: each claim's)")
+    p.add_argument("--config", default=None, help="train.py --config under every arm (default: the default job)")
     p.add_argument("--smoke", action="store_true",
-                   help="2 iterations, 1 seed, in --out (default experiments/smoke: the results stay apart)")
+                   help="--config tiny on the sums, 2 iterations, 1 seed, in --out (default experiments/smoke)")
     p.add_argument("--out", default=None, help="one folder for the runs and the results (default: "
                                                 "experiments/runs and experiments/results)")
+    p.add_argument("--commit", action="store_true", help="git commit each claim's PNG and table when written")
     args = p.parse_args(argv)
+    setup = Setup(RUNS, RESULTS, ["--config", args.config] if args.config else [], args.iterations)
     if args.smoke:
-        args.seeds, args.iterations = 1, 2
+        args.seeds, args.max_seeds = 1, 0
+        setup.iterations, setup.eval_every, setup.save_every = 2, 2, 1
+        setup.base, setup.last = list(SMOKE), list(SMOKE_LAST)
         args.out = args.out or os.path.join(ROOT, "experiments", "smoke")
-    runs = os.path.join(args.out, "runs") if args.out else RUNS
-    results = os.path.join(args.out, "results") if args.out else RESULTS
+    if args.out:
+        setup.runs_root, setup.results = os.path.join(args.out, "runs"), os.path.join(args.out, "results")
     sys.path.insert(0, ROOT)
     os.chdir(ROOT)
-    for name in CLAIMS if args.claim == "all" else [args.claim]:
-        print(run_claim(name, args.seeds, args.iterations, runs, results))
+    names = ORDER if "all" in args.claims else list(dict.fromkeys(args.claims))
+    failed = []
+    for name in names:
+        try:
+            print(run_claim(name, args.seeds, setup, commit=args.commit), flush=True)
+        except RunFailed as e:
+            if len(names) == 1:
+                raise SystemExit(str(e))
+            failed.append(name)
+            print(f"{name}: {e}; going on with the next claim", flush=True)
+    if "all" in args.claims and args.max_seeds > args.seeds:
+        for name in (n for n in names if n not in failed):
+            more = unclear_arms(name, setup, args.seeds)
+            if more and spent_hours(setup.runs_root) < args.budget_hours:
+                print(f"{name}: first test not distinguishable at {args.seeds} seeds; seeds up to "
+                      f"{args.max_seeds} for {', '.join(more)}", flush=True)
+                try:
+                    print(run_claim(name, args.seeds, setup, dict.fromkeys(more, args.max_seeds), args.commit),
+                          flush=True)
+                except RunFailed as e:
+                    failed.append(name)
+                    print(f"{name}: {e}", flush=True)
+    if failed:
+        raise SystemExit(f"claims that failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
+    # A SIGTERM unwinds like an exception, so that run_child stops the run it waits for (a fork of
+    # the fork server, which would otherwise outlive this process).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

@@ -68,25 +68,30 @@ def arms(run_dirs, metrics, strict=True):
             for arm, rs in runs.items()}
 
 
-def plot(curves, metrics, out, title=None):
-    """One panel per metric, one line (mean) and band (± std) per arm; saved as `out` (PNG)."""
+def plot(curves, metrics, out, title=None, samples=None):
+    """One panel per metric, one line (mean) and band (± std) per arm; saved as `out` (PNG). With
+    `samples` ({arm: {step: samples seen by then}}), a second row draws the same curves against the
+    samples, for arms that differ in samples per iteration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.4), squeeze=False)
+    rows = 2 if samples else 1
+    fig, axes = plt.subplots(rows, len(metrics), figsize=(4.5 * len(metrics), 3.4 * rows), squeeze=False)
     colors = {arm: f"C{k % 10}" for k, arm in enumerate(curves)}
-    for ax, metric in zip(axes[0], metrics):
-        for arm, by_metric in curves.items():
-            if metric not in by_metric:
-                continue
-            steps, mean, std = by_metric[metric]
-            ax.plot(steps, mean, label=arm, color=colors[arm])
-            ax.fill_between(steps, mean - std, mean + std, color=colors[arm], alpha=0.2, linewidth=0)
-        ax.set_xlabel("iteration")
-        ax.set_title(metric, fontsize=10)
-        ax.grid(alpha=0.3)
+    for row in range(rows):
+        for ax, metric in zip(axes[row], metrics):
+            for arm, by_metric in curves.items():
+                if metric not in by_metric:
+                    continue
+                steps, mean, std = by_metric[metric]
+                x = np.array([samples[arm][s] for s in steps]) if row else steps
+                ax.plot(x, mean, label=arm, color=colors[arm])
+                ax.fill_between(x, mean - std, mean + std, color=colors[arm], alpha=0.2, linewidth=0)
+            ax.set_xlabel("samples (completions)" if row else "iteration")
+            ax.set_title(metric, fontsize=10)
+            ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], color=colors[arm], label=arm) for arm in curves]
     axes[0][0].legend(handles=handles, fontsize=8)
     if title:

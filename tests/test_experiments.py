@@ -1,14 +1,161 @@
-"""experiments/: the plot tool's averaging over seeds on hand-made event files, and every claim's
-experiment end to end on its smoke setting (2 iterations, 1 seed), down to its PNG and table."""
+"""experiments/: the rule that decides a claim (the t quantile against printed tables, Welch's interval
+against a hand computation, the verdict on hand-made numbers), a run's metrics on a hand-made run
+folder, the prompt set and the rewards the claims add, the plot tool's averaging over seeds on
+hand-made event files, resuming a run cut short, and every claim's experiment end to end on its smoke
+setting (the tiny model, 2 iterations, 1 seed), down to its PNG and table."""
 
+import json
+import math
 import os
 
 import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from experiments import claims, plot
+from experiments import claims, data, plot, rewards, stats
 
+
+# --- the rule ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("df, t", [(1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (5, 2.5706),
+                                   (10, 2.2281), (30, 2.0423), (math.inf, 1.9600)])
+def test_t_quantile_matches_the_printed_table(df, t):
+    assert stats.t_quantile(0.975, df) == pytest.approx(t, abs=1e-4)
+
+
+def test_t_cdf_at_fractional_degrees_of_freedom():
+    # ν = 2 has a closed form: F(t) = 1/2 + t / (2·sqrt(2 + t²)); the quantile of a fractional ν
+    # lies between its neighbours'.
+    for t in (0.3, 1.0, 4.0):
+        assert stats.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-9)
+    assert stats.t_quantile(0.975, 3) < stats.t_quantile(0.975, 2.5) < stats.t_quantile(0.975, 2)
+
+
+def test_welch_interval_against_a_hand_computation():
+    # a: mean 2, s² = 1; b: mean 0.5, s² = 0.25; n = 3 each. se² = 1/3 + 1/12 = 5/12;
+    # ν = (5/12)² / ((1/3)²/2 + (1/12)²/2) = 2.9412; t_{0.975, 2.9412} = 3.21876 (mpmath: quad and findroot).
+    est, low, high, df = stats.welch_interval({"a": [1, 2, 3], "b": [0, 0.5, 1]}, {"a": 1, "b": -1})
+    assert est == pytest.approx(1.5)
+    assert df == pytest.approx((5 / 12) ** 2 / ((1 / 3) ** 2 / 2 + (1 / 12) ** 2 / 2))
+    half = stats.t_quantile(0.975, df) * math.sqrt(5 / 12)
+    assert half == pytest.approx(3.21876 * math.sqrt(5 / 12), abs=1e-4)
+    assert (low, high) == pytest.approx((1.5 - half, 1.5 + half))
+    # a contrast of three arms, and an offset: G16 − 2·G8 + G4 − 0.1
+    est, low, high, df = stats.welch_interval({"x": [1, 3], "y": [2, 2, 2], "z": [0, 1]},
+                                              {"x": 1, "y": -2, "z": 1}, offset=0.1)
+    assert est == pytest.approx(2 - 4 + 0.5 - 0.1)
+    assert df == pytest.approx((2 / 2 + 0.5 / 2) ** 2 / ((2 / 2) ** 2 + (0.5 / 2) ** 2))
+
+
+@pytest.mark.parametrize("a, b, direction, expected", [
+    ([0.60, 0.62, 0.58], [0.30, 0.33, 0.28], ">", stats.REPRODUCED),    # clearly positive
+    ([0.60, 0.62, 0.58], [0.30, 0.33, 0.28], "<", stats.REFUTED),
+    ([0.30, 0.33, 0.28], [0.60, 0.62, 0.58], ">", stats.REFUTED),       # clearly negative
+    ([0.30, 0.33, 0.28], [0.60, 0.62, 0.58], "<", stats.REPRODUCED),
+    ([0.40, 0.60, 0.50], [0.45, 0.55, 0.35], ">", stats.UNCLEAR),       # overlapping
+    ([0.40, 0.60, 0.50], [0.45, 0.55, 0.35], "<", stats.UNCLEAR),
+    ([0.60], [0.30, 0.33, 0.28], ">", stats.UNCLEAR),                   # one seed: no interval
+])
+def test_the_verdict_follows_the_rule(a, b, direction, expected):
+    test = claims.Test("a beats b", "acc_auc", {"a": 1, "b": -1}, direction)
+    assert claims.decide(test, {"a": a, "b": b})[4] == expected
+
+
+def test_a_one_arm_test_against_a_threshold():
+    test = claims.Test("clips rarely", "mean(losses/clip_frac)", {"a": 1}, "<", offset=0.02)
+    assert claims.decide(test, {"a": [0.001, 0.002, 0.0015]})[4] == stats.REPRODUCED
+    assert claims.decide(test, {"a": [0.05, 0.06, 0.055]})[4] == stats.REFUTED
+    assert claims.decide(test, {"a": [0.0, 0.0, 0.0]})[:3] == (-0.02, -0.02, -0.02)     # no spread: a point
+
+
+def test_every_claim_states_its_tests_on_its_own_arms():
+    for name, claim in claims.CLAIMS.items():
+        assert claim.tests and claim.doc and name in claims.ORDER
+        for test in claim.tests:
+            assert set(test.contrast) <= set(claim.arms) and test.direction in "<>", (name, test.text)
+
+
+# --- a run's numbers -----------------------------------------------------------------------------
+
+def hand_made_run(folder, accuracies, lens):
+    """A run folder as train.py leaves it: iteration metrics, and held-out rows at steps 0, 2, 4 with
+    the right answer at the given share (half one_digit, half three_digit)."""
+    os.makedirs(folder / "eval")
+    (folder / "config.json").write_text(json.dumps({"config": {"num_prompts": 4, "group_size": 8}}))
+    for i, n in enumerate(lens):
+        (folder / f"iter_{i:04d}").mkdir()
+        (folder / f"iter_{i:04d}" / "metrics.json").write_text(json.dumps({"charts/completion_len": n}))
+    for step, (easy, hard) in accuracies.items():
+        rows = [{"completion": f"It is {2 if k < easy else 3}.", "answer": "2", "difficulty": "one_digit",
+                 "ref_completion": "It is 2."} for k in range(4)]
+        rows += [{"completion": f"It is {2 if k < hard else 3}.", "answer": "2", "difficulty": "three_digit",
+                  "ref_completion": "x"} for k in range(4)]
+        (folder / "eval" / f"iter_{step:04d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return claims.Run(str(folder), {"peak_rss_mb": 2048, "cpu_s": 50.0, "iterations": len(lens)})
+
+
+def test_run_metrics_on_a_hand_made_run(tmp_path):
+    run = hand_made_run(tmp_path / "r", {0: (0, 0), 2: (2, 0), 4: (4, 2)}, [10, 11, 12, 20, 21, 22, 23, 24])
+    assert run.metric("acc") == 6 / 8
+    assert run.metric("acc[one_digit]") == 1.0 and run.metric("acc[three_digit]") == 0.5
+    # trapezoid over steps 0, 2, 4 of 0, 2/8, 6/8: (0 + 0.25)/2·2 + (0.25 + 0.75)/2·2 = 1.25, over 4
+    assert run.metric("acc_auc") == pytest.approx(1.25 / 4)
+    assert run.metric("acc_auc[one_digit]") == pytest.approx(((0 + 0.5) + (0.5 + 1)) / 4)
+    assert run.metric("last5(charts/completion_len)") == 22.0
+    assert run.metric("mean(charts/completion_len)") == pytest.approx(143 / 8)
+    assert run.metric("growth(charts/completion_len)") == 22.0 - 11.0
+    assert math.isnan(run.metric("mean(losses/kl)"))
+    assert run.metric("same_as_ref") == 0.5                            # the one-digit answers, at the end
+    assert run.metric("peak_rss_gb") == 2.0 and run.metric("cpu_s_per_iter") == 50 / 8
+    assert run.samples_seen()[8] == 8 * 32
+
+
+def test_canonical_flags_name_one_run():
+    a = claims.canonical(["--max-new-tokens", "48", "--lr", "5e-5", "--reward", "x", "y", "--seed", "0"])
+    b = claims.canonical(["--lr", "1e-5", "--seed", "0", "--reward", "x", "y", "--lr", "5e-5",
+                          "--max-new-tokens", "48"])
+    assert a == b == ["--lr", "5e-5", "--max-new-tokens", "48", "--reward", "x", "y", "--seed", "0"]
+
+
+# --- what the claims add: prompts and rewards ----------------------------------------------------
+
+def test_mixed_difficulty_prompts(tmp_path):
+    train, held_out = data.mixed_difficulty()
+    assert train == data.mixed_difficulty()[0]                                           # seeded
+    key = lambda r: r["messages"][0]["content"]                                          # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in held_out}
+    assert [r["difficulty"] for r in held_out[:4]] == ["one_digit", "three_digit"] * 2
+    assert sum(r["difficulty"] == "one_digit" for r in train) == len(train) // 2 == 57
+    for r in train + held_out:
+        a, b = map(int, key(r)[len("What is "):].split("?")[0].split(" plus "))
+        assert r["answer"] == str(a + b) and (a < 10) == (r["difficulty"] == "one_digit")
+    paths = data.write_prompt_set("mixed_difficulty", tmp_path)
+    first = [open(p).read() for p in paths]
+    assert data.write_prompt_set("mixed_difficulty", tmp_path) == paths
+    assert [open(p).read() for p in paths] == first and first[1].count("\n") == 48
+
+
+def test_verbose_judge_pays_per_token_up_to_its_cap():
+    out = rewards.verbose_judge(["q"] * 3, ["It is 5.", "It is 4.", "5"], ["5"] * 3,
+                                completion_ids=[[1] * 10, [1] * 10, [1] * 100])
+    assert out == pytest.approx([1.1, 0.1, 1.4])
+
+
+def test_flipped_reward_is_noise_of_the_stated_rate_and_reproducible():
+    prompts = [f"What is {k} plus 1?" for k in range(2000)]
+    completions = [f"{k + 1}" if k % 2 else "0" for k in range(2000)]
+    answers = [str(k + 1) for k in range(2000)]
+    clean = [float(k % 2) for k in range(2000)]
+    noisy = rewards.flip_20(prompts, completions, answers)
+    flipped = [a != b for a, b in zip(clean, noisy)]
+    assert 0.17 < np.mean(flipped) < 0.23
+    assert rewards.flip_20(prompts, completions, answers) == noisy                          # deterministic
+    again = rewards.flip_20(prompts, ["x"] + completions[1:], answers)                      # another batch
+    assert [a != b for a, b in zip(clean[1:], again[1:])] != flipped[1:]
+    assert 0.07 < np.mean([a != b for a, b in zip(clean, rewards.flip_10(prompts, completions, answers))]) < 0.13
+
+
+# --- the plot tool ------------------------------------------------------------------------------
 
 def write_events(folder, values, tag="charts/reward_mean", start=0):
     writer = SummaryWriter(folder)
@@ -40,17 +187,55 @@ def test_runs_of_one_arm_are_averaged_with_a_band(tmp_path):
 def test_a_resumed_run_keeps_the_last_value_of_a_step(tmp_path):
     write_events(tmp_path / "r" / "tb", [1.0, 1.0, 1.0])
     write_events(tmp_path / "r" / "tb", [5.0, 6.0], start=1)           # the resumed half rewrote steps 1, 2
-    assert plot.read_scalars(tmp_path / "r", ["charts/reward_mean"])["charts/reward_mean"] == {0: 1.0, 1: 5.0, 2: 6.0}
+    values = plot.read_scalars(tmp_path / "r", ["charts/reward_mean"])["charts/reward_mean"]
+    assert values == {0: 1.0, 1: 5.0, 2: 6.0}
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+def test_a_run_cut_short_is_finished_with_resume(tmp_path):
+    argv = claims.canonical([*claims.SMOKE, "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
+                             "--eval-prompts", "2", "--seed", "0", "--iterations", "3", "--eval-every", "1",
+                             "--save-every", "1"])
+    cut = argv.copy()
+    cut[cut.index("--iterations") + 1] = "1"                            # the run stopped after its first save
+    key = claims.hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:12]
+    run_dir = tmp_path / "pool" / key
+    os.makedirs(tmp_path / "pool")
+    code, *_ = claims.run_child([*cut, "--run-dir", str(run_dir)], str(run_dir) + ".log", str(run_dir) + ".pid")
+    assert code == 0 and (run_dir / "policy" / "train_state.json").is_file()
+    first = (run_dir / "iter_0000" / "metrics.json").stat().st_mtime_ns
+    record = claims.ensure_run(argv, str(tmp_path), "c0/arm_seed0", "c0 arm seed 0")
+    assert [a["from_iteration"] for a in record["attempts"]] == [1]
+    assert (run_dir / "iter_0000" / "metrics.json").stat().st_mtime_ns == first        # not recomputed
+    assert (run_dir / "iter_0002" / "metrics.json").is_file() and (run_dir / "eval" / "iter_0003.jsonl").is_file()
+    assert not (run_dir / "policy").exists() and record["cpu_s"] > 0
+    assert os.path.realpath(tmp_path / "c0" / "arm_seed0") == str(run_dir)
+    assert claims.ensure_run(argv, str(tmp_path), "c0/arm_seed0", "again") == record     # finished: not rerun
+
+
+@pytest.fixture(scope="module")
+def smoke_out(tmp_path_factory):
+    """One folder for every claim's smoke runs, so that arms the claims share run once."""
+    return tmp_path_factory.mktemp("claims")
 
 
 @pytest.mark.parametrize("name", list(claims.CLAIMS))
-def test_every_claim_runs_end_to_end_on_its_smoke_setting(name, tmp_path):
-    claims.main([name, "--smoke", "--out", str(tmp_path)])
-    results = tmp_path / "results"
+def test_every_claim_runs_end_to_end_on_its_smoke_setting(name, smoke_out):
+    claims.main([name, "--smoke", "--out", str(smoke_out)])
+    results = smoke_out / "results"
     assert (results / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (results / f"{name}.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
-    assert [row.split(" | ")[0][2:] for row in rows] == list(claims.CLAIMS[name].arms)
-    assert "nan" not in table
+    lines = table.splitlines()
+    tests = lines[lines.index("| test | metric | contrast | predicted | estimate | 95% interval | verdict |") + 2:]
+    tests = tests[:tests.index("")]
+    assert [row.split(" | ")[0][2:] for row in tests] == [t.text for t in claims.CLAIMS[name].tests]
+    assert all(row.endswith(f"**{stats.UNCLEAR}** |") for row in tests)            # one seed: no interval
+    arms = lines[lines.index("## Arms (mean ± std over seeds)") + 4:]
+    arms = arms[:arms.index("")]
+    assert [row.split(" | ")[0][2:] for row in arms] == list(claims.CLAIMS[name].arms)
+    assert "nan" not in table and "Compute: " in table
     for arm in claims.CLAIMS[name].arms:
-        assert os.path.isfile(tmp_path / "runs" / name / f"{arm}_seed0" / "iter_0001" / "metrics.json")
+        run = smoke_out / "runs" / name / f"{arm}_seed0"
+        assert (run / "iter_0001" / "metrics.json").is_file() and (run / "experiment.json").is_file()
+        assert not (run / "policy").exists()

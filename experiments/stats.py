@@ -1,0 +1,83 @@
+"""The rule that decides a claim, stated before the runs: a Welch 95% interval of a contrast of arms.
+
+Each arm gives one number per seed (its runs are independent: no seed is shared between arms in any
+sense that pairs them). A test names a contrast, Σ_k c_k·mean_k (for two arms a − b: {a: 1, b: −1}),
+and the sign the article predicts. Its interval is Welch's:
+
+    est = Σ_k c_k·x̄_k − offset          se² = Σ_k c_k²·s_k²/n_k          (s_k: Bessel std of arm k)
+    ν   = se⁴ / Σ_k (c_k²·s_k²/n_k)² / (n_k − 1)                            (Welch–Satterthwaite)
+    est ± t_{0.975, ν}·se
+
+and the verdict: "reproduced" when the interval excludes 0 on the predicted side, "refuted" when it
+excludes 0 on the other, else "not distinguishable at this scale". An arm with fewer than 2 seeds has
+no std, so no interval: "not distinguishable". When every arm's seeds agree exactly (se = 0) the
+interval is the point est, which excludes 0 unless est is 0.
+
+No scipy here: the t quantile is found by bisection on the t distribution's CDF, integrated with
+Simpson's rule from the density (exact to about 1e-9 for ν ≥ 1, which the tests check against the
+printed tables).
+"""
+
+import math
+
+import numpy as np
+
+REPRODUCED, REFUTED, UNCLEAR = "reproduced", "refuted", "not distinguishable at this scale"
+
+
+def t_cdf(t, df):
+    """P(T ≤ t) for Student's t with df > 0 degrees of freedom (df may be fractional)."""
+    if math.isinf(df):
+        return 0.5 * (1 + math.erf(t / math.sqrt(2)))
+    # ∫_0^|t| of the density, by Simpson's rule on the substitution x = atan(u) (a finite interval
+    # whatever |t|, and a smooth integrand).
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    x = np.linspace(0.0, math.atan(abs(t)), 4001)                          # [M], M odd
+    u = np.tan(x)
+    f = np.exp(log_c - (df + 1) / 2 * np.log1p(u * u / df)) / np.cos(x) ** 2   # density · du/dx
+    h = x[1] - x[0]
+    half = h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+    return 0.5 + math.copysign(half, t)
+
+
+def t_quantile(p, df):
+    """The t with P(T ≤ t) = p, for 0.5 ≤ p < 1 (bisection on t_cdf)."""
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
+    return (low + high) / 2
+
+
+def welch_interval(samples, contrast, offset=0.0, level=0.95):
+    """(est, low, high, df) of Σ_k c_k·mean(samples[k]) − offset; low = high = None when an arm with
+    c_k ≠ 0 has fewer than 2 values. samples: {arm: [per-seed values]}, contrast: {arm: c_k}."""
+    terms, est = [], -offset
+    for arm, c in contrast.items():
+        x = np.asarray(samples[arm], dtype=np.float64)                     # [n_k]
+        if len(x) == 0:
+            return float("nan"), None, None, None
+        est += c * x.mean()
+        if len(x) < 2:
+            return est, None, None, None
+        terms.append((c * c * x.var(ddof=1) / len(x), len(x)))           # c_k²·s_k²/n_k, n_k
+    se2 = sum(v for v, _ in terms)
+    if se2 == 0:
+        return est, est, est, float("inf")
+    df = se2 ** 2 / sum(v * v / (n - 1) for v, n in terms if v > 0)
+    half = t_quantile(0.5 + level / 2, df) * math.sqrt(se2)
+    return est, est - half, est + half, df
+
+
+def verdict(low, high, direction):
+    """The rule: `direction` '>' predicts a positive contrast, '<' a negative one."""
+    if low is None:
+        return UNCLEAR
+    positive, negative = low > 0, high < 0
+    if direction == ">":
+        return REPRODUCED if positive else REFUTED if negative else UNCLEAR
+    if direction == "<":
+        return REPRODUCED if negative else REFUTED if positive else UNCLEAR
+    raise ValueError(f"direction must be '>' or '<', got {direction!r}")
