@@ -54,15 +54,14 @@ def t_quantile(p, df):
 def welch_interval(samples, contrast, offset=0.0, level=0.95):
     """(est, low, high, df) of Σ_k c_k·mean(samples[k]) − offset; low = high = None when an arm with
     c_k ≠ 0 has fewer than 2 values. samples: {arm: [per-seed values]}, contrast: {arm: c_k}."""
-    terms, est = [], -offset
-    for arm, c in contrast.items():
-        x = np.asarray(samples[arm], dtype=np.float64)                     # [n_k]
-        if len(x) == 0:
-            return float("nan"), None, None, None
-        est += c * x.mean()
-        if len(x) < 2:
-            return est, None, None, None
-        terms.append((c * c * x.var(ddof=1) / len(x), len(x)))           # c_k²·s_k²/n_k, n_k
+    arms = {arm: np.asarray(samples[arm], dtype=np.float64) for arm in contrast}          # [n_k] each
+    if any(len(x) == 0 for x in arms.values()):
+        return float("nan"), None, None, None
+    est = sum(c * arms[arm].mean() for arm, c in contrast.items()) - offset
+    if any(len(x) < 2 for x in arms.values()):
+        return est, None, None, None
+    terms = [(c * c * arms[arm].var(ddof=1) / len(arms[arm]), len(arms[arm]))    # c_k²·s_k²/n_k, n_k
+             for arm, c in contrast.items()]
     se2 = sum(v for v, _ in terms)
     if se2 == 0:
         return est, est, est, float("inf")

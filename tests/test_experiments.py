@@ -58,7 +58,8 @@ def test_welch_interval_against_a_hand_computation():
 ])
 def test_the_verdict_follows_the_rule(a, b, direction, expected):
     test = claims.Test("a beats b", "acc_auc", {"a": 1, "b": -1}, direction)
-    assert claims.decide(test, {"a": a, "b": b})[4] == expected
+    est, *_, verdict = claims.decide(test, {"a": a, "b": b})
+    assert verdict == expected and est == pytest.approx(np.mean(a) - np.mean(b))      # every arm, any n
 
 
 def test_a_one_arm_test_against_a_threshold():
