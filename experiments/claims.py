@@ -691,7 +691,8 @@ def spent_hours(runs_root):
     return total / 3600
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """(the command line's arguments, the Setup of its runs)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("claims", nargs="+", choices=[*CLAIMS, "all"], metavar="CLAIM",
                    help=f"{', '.join(CLAIMS)}, or all (in the order {' '.join(ORDER)})")
@@ -708,7 +709,7 @@ def main(argv=None):
                                                 "experiments/runs and experiments/results)")
     p.add_argument("--commit", action="store_true", help="git commit each claim's PNG and table when written")
     args = p.parse_args(argv)
-    setup = Setup(RUNS, RESULTS, ["--config", args.config] if args.config else [], args.iterations)
+    setup = Setup(RUNS, RESULTS, ["--config", args.config] if args.config else [], iterations=args.iterations)
     if args.smoke:
         args.seeds, args.max_seeds = 1, 0
         setup.iterations, setup.eval_every, setup.save_every = 2, 2, 1
@@ -716,6 +717,11 @@ def main(argv=None):
         args.out = args.out or os.path.join(ROOT, "experiments", "smoke")
     if args.out:
         setup.runs_root, setup.results = os.path.join(args.out, "runs"), os.path.join(args.out, "results")
+    return args, setup
+
+
+def main(argv=None):
+    args, setup = parse_args(argv)
     sys.path.insert(0, ROOT)
     os.chdir(ROOT)
     names = ORDER if "all" in args.claims else list(dict.fromkeys(args.claims))

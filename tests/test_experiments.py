@@ -118,6 +118,20 @@ def test_canonical_flags_name_one_run():
     assert a == b == ["--lr", "5e-5", "--max-new-tokens", "48", "--reward", "x", "y", "--seed", "0"]
 
 
+def test_the_runs_of_a_claim_are_the_default_job_under_its_flags():
+    args, setup = claims.parse_args(["c3"])
+    assert (setup.runs_root, setup.results, args.seeds) == (claims.RUNS, claims.RESULTS, 3)
+    assert setup.argv(claims.CLAIMS["c3"], claims.CLAIMS["c3"].arms["G16"], 2) == [
+        "--eval-every", "5", "--group-size", "16", "--iterations", "20", "--save-every", "5", "--seed", "2"]
+    args, setup = claims.parse_args(["c2", "--iterations", "30", "--config", "gpu"])
+    assert setup.argv(claims.CLAIMS["c2"], claims.CLAIMS["c2"].arms["beta0"], 0) == [
+        "--beta", "1e-9", "--config", "gpu", "--eval-every", "5", "--iterations", "30", "--lr", claims.LR_HIGH,
+        "--max-new-tokens", "48", "--save-every", "5", "--seed", "0"]
+    args, setup = claims.parse_args(["c1", "--smoke", "--out", "/x"])
+    argv = setup.argv(claims.CLAIMS["c8"], claims.CLAIMS["c8"].arms["mu4_lr1e-5"], 0)
+    assert argv[:6] == ["--config", "tiny", "--epochs", "4", "--eval-every", "2"] and "/x/runs" == setup.runs_root
+
+
 # --- what the claims add: prompts and rewards ----------------------------------------------------
 
 def test_mixed_difficulty_prompts(tmp_path):
