@@ -36,8 +36,8 @@ several claims (the default job is in C3, C4, C5, C9 and C10) runs once. A run w
 is finished and never run again; a run cut short is finished with `train.py --resume` from its last
 save; one that never saved starts over. A finished run keeps its iterations' files, eval/ and tb/;
 its policy/, checkpoints/ and critic_init/ (1.6 GB a save) are deleted. experiment.json records the
-run's wall and CPU seconds (user + sys of the child, summed over its attempts; an attempt killed with
-this process is not counted) and peak RSS (the child's, which counts pages it shares with the fork
+run's wall and CPU seconds (user + sys of the child, on --threads torch threads, summed over its
+attempts; an attempt killed with this process is not counted) and peak RSS (the child's, which counts pages it shares with the fork
 server: compare arms within a claim). Each claim's results/CLAIM.png and CLAIM.md are written as soon
 as its runs are done (--commit commits them).
 
@@ -83,6 +83,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 RUNS = os.path.join(ROOT, "experiments", "runs")
 ITERATIONS, EVAL_EVERY, SAVE_EVERY = 20, 5, 5
+# Torch threads per run. One: on this 2-core machine shared with other work, two threads spin against
+# the other processes' (20 decode steps of the default model, niced under a load of 6–9: 17 s on one
+# thread, 75–90 s on two, and 5 × the CPU seconds). --threads 2 on a machine of one's own.
+THREADS = 1
 LR_HIGH = "5e-5"                    # 5 × the default job's: where drift and templates can show in 20 steps
 # --smoke: the tiny model on the sums, small batches and short answers whatever the claim asks.
 SMOKE = ["--config", "tiny", "--task", "arithmetic", "--num-prompts", "4"]
@@ -302,18 +306,20 @@ class RunFailed(Exception):
     pass
 
 
-def child_run(argv, log_path, usage):
-    """One training run in a child of the fork server: train.py's main with its output appended to
-    log_path; puts the child's (peak RSS in MiB, CPU seconds) into `usage`."""
+def child_run(argv, log_path, usage, threads):
+    """One training run in a child of the fork server, on `threads` torch threads: train.py's main with
+    its output appended to log_path; puts the child's (peak RSS in MiB, CPU seconds) into `usage`."""
     import resource
 
+    import torch
     import train
     from grpo.cli import run_cli
 
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    print(f"$ python train.py {' '.join(argv)}", flush=True)
+    print(f"$ python train.py {' '.join(argv)}  # {threads} torch thread(s)", flush=True)
+    torch.set_num_threads(threads)
     sys.argv = ["train.py", *argv]
     try:
         run_cli(lambda: train.main(argv))
@@ -322,7 +328,7 @@ def child_run(argv, log_path, usage):
         usage.put((me.ru_maxrss / 1024, me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime))
 
 
-def run_child(argv, log_path, pid_path):
+def run_child(argv, log_path, pid_path, threads=THREADS):
     """train.main(argv) in a child of a fork server; returns (exit code, wall s, CPU s, peak RSS MiB).
 
     Not os.fork() of this process: after torch has run here (as in the test suite), its thread pools'
@@ -334,7 +340,7 @@ def run_child(argv, log_path, pid_path):
     context.set_forkserver_preload(PRELOAD)
     usage = context.Queue()
     start = time.perf_counter()
-    child = context.Process(target=child_run, args=(argv, log_path, usage))
+    child = context.Process(target=child_run, args=(argv, log_path, usage, threads))
     child.start()
     with open(pid_path, "w") as f:
         f.write(str(child.pid))
@@ -380,7 +386,7 @@ def link(target, name):
         os.symlink(relative, name)
 
 
-def ensure_run(argv, runs_root, name, label):
+def ensure_run(argv, runs_root, name, label, threads=THREADS):
     """The record (experiment.json) of the finished run of `argv` (train.py flags, no --run-dir): found,
     finished with --resume, or run; linked as RUNS/`name`. Raises RunFailed."""
     argv = canonical(argv)
@@ -412,9 +418,9 @@ def ensure_run(argv, runs_root, name, label):
         shutil.rmtree(run_dir, ignore_errors=True)
         resumed_from, train_argv = 0, [*argv, "--run-dir", run_dir]
         print(f"{label}: running ({run_dir})", flush=True)
-    code, wall, cpu, rss = run_child(train_argv, log, pid)
+    code, wall, cpu, rss = run_child(train_argv, log, pid, threads)
     attempts.append({"from_iteration": resumed_from, "exit_code": code, "wall_s": wall, "cpu_s": cpu,
-                     "peak_rss_mb": rss})
+                     "peak_rss_mb": rss, "threads": threads})
     with open(attempts_path, "w") as f:
         json.dump(attempts, f, indent=1)
     if code != 0:
@@ -443,6 +449,7 @@ class Setup:
     iterations: int = None      # overrides each claim's K (--smoke, --iterations)
     eval_every: int = EVAL_EVERY
     save_every: int = SAVE_EVERY
+    threads: int = THREADS
 
     def argv(self, claim, flags, seed):
         data = []
@@ -472,7 +479,7 @@ def resolve(claim, name, setup):
         flags = [f.replace("{value}", value) for f in sweep.flags]
         argv = setup.argv(claim, flags, 0)
         record = ensure_run(argv, setup.runs_root, f"sweep_{claim.sweep}/{value}_seed0",
-                            f"{name} sweep {claim.sweep}={value} seed 0")
+                            f"{name} sweep {claim.sweep}={value} seed 0", setup.threads)
         run = Run(os.path.join(setup.runs_root, f"sweep_{claim.sweep}", f"{value}_seed0"), record)
         rows.append((value, run.metric(sweep.select), run.metric(ACC), run))
     pick = max(rows, key=lambda row: row[1])[0]
@@ -491,7 +498,8 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
         for arm, flags in arms.items():
             if seed < arm_seeds[arm]:
                 records[(arm, seed)] = ensure_run(setup.argv(claim, flags, seed), setup.runs_root,
-                                                  f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}")
+                                                  f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}",
+                                                  setup.threads)
     runs = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"), records[(arm, s)])
                   for s in range(arm_seeds[arm])] for arm in arms}
     os.makedirs(setup.results, exist_ok=True)
@@ -707,9 +715,12 @@ def parse_args(argv=None):
                    help="--config tiny on the sums, 2 iterations, 1 seed, in --out (default experiments/smoke)")
     p.add_argument("--out", default=None, help="one folder for the runs and the results (default: "
                                                 "experiments/runs and experiments/results)")
+    p.add_argument("--threads", type=int, default=THREADS,
+                   help=f"torch threads per run (default {THREADS}: see THREADS; 2 on a machine of one's own)")
     p.add_argument("--commit", action="store_true", help="git commit each claim's PNG and table when written")
     args = p.parse_args(argv)
-    setup = Setup(RUNS, RESULTS, ["--config", args.config] if args.config else [], iterations=args.iterations)
+    setup = Setup(RUNS, RESULTS, ["--config", args.config] if args.config else [], iterations=args.iterations,
+                  threads=args.threads)
     if args.smoke:
         args.seeds, args.max_seeds = 1, 0
         setup.iterations, setup.eval_every, setup.save_every = 2, 2, 1
