@@ -6,7 +6,7 @@ other samples for the same prompt, and the scale is their spread (DeepSeekMath, 
     A_i = (r_i − mean(r_group)) / (std(r_group) + ε)        every token of o_i gets A_i
 
 Reads   --rewards FILE  rewards.safetensors: rewards [N] f32, group_ids [N] i64 (lengths [N] i64)
-Writes  --out FILE      advantages.safetensors (schema advantages/1; FORMATS.md)
+Writes  --out FILE      advantages.safetensors (schema advantages/1; docs/formats.md)
             advantages [N] f32   one value per completion
             group_ids [N] i64    copied through
             group_mean [B] f32, group_std [B] f32, zero_std [B] bool   diagnostics per group
@@ -16,7 +16,7 @@ Example:
     python advantage.py --rewards it0/rewards.safetensors --out it0/advantages.safetensors \\
         --estimator grpo --eps 1e-4
 
-Conventions (FORMATS.md):
+Conventions (docs/formats.md):
 - Groups are the contiguous runs of equal group_ids, all of one size G; rewards are viewed as
   [B, G] and normalised along G only, never over the batch.
 - std is Bessel-corrected (divides by G − 1, torch.std's default), so G = 1 is an error.
@@ -26,7 +26,7 @@ Conventions (FORMATS.md):
   1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
 - Arithmetic is in float64; the file holds float32.
 
-The variants papers compare are --estimator dr_grpo, rloo and batch (see --help and README).
+The variants papers compare are --estimator dr_grpo, rloo and batch (--help; docs/variants.md).
 
 PPO's baseline is the other way: --estimator gae --rollouts FILE reads the critic's V_t from the
 rollouts' `values` and writes per-token advantages [N, T] and returns [N, T] (GAE, Schulman et al.
@@ -34,93 +34,22 @@ rollouts' `values` and writes per-token advantages [N, T] and returns [N, T] (GA
 """
 
 import argparse
-import math
 
 import torch
 
-from grpo import files
+from grpo import files, settings
 from grpo.cli import ArgumentParser, StageError, run_cli
 from grpo.diagnostics import group_mean_std, no_signal_groups
+from grpo.settings import at_least, between
 
 
-def build_parser():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rewards", required=True, help="rewards.safetensors from score.py")
-    p.add_argument("--out", required=True, help="output advantages.safetensors")
-    p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo", "batch", "gae"],
-                   help="grpo: A = (r − mean)/(std + ε) per group (DeepSeekMath, default)\n"
-                        "dr_grpo: A = r − mean, no std (Dr. GRPO, Liu et al. 2025)\n"
-                        "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)\n"
-                        "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups (mean\n"
-                        "  and std of all N; TRL's scale_rewards='batch' keeps the group mean: that is\n"
-                        "  --scale batch); the source article calls this the most serious error a GRPO\n"
-                        "  implementation can make\n"
-                        "gae: PPO's per-token A_t from the critic's V_t (needs --rollouts with 'values')")
-    p.add_argument("--scale", default="group", choices=["group", "batch", "none"],
-                   help="what grpo divides r − group mean by (TRL's scale_rewards): the group's std\n"
-                        "(default), the whole batch's std, or nothing (then grpo is dr_grpo)")
-    p.add_argument("--eps", type=float, default=1e-4, help="ε in std + ε, grpo and batch (default 1e-4)")
-    p.add_argument("--length-strata", type=int, default=1, metavar="S",
-                   help="S: split each prompt's G completions by length into S strata of G/S\n"
-                        "(shortest first) and compute the estimator within each, so that a completion\n"
-                        "competes only with others of similar length (the source article's remedy for\n"
-                        "length bias; needs 'lengths' in the rewards file; default 1: the whole group)")
-    p.add_argument("--rollouts", default=None, help="gae: rollouts.safetensors (values, masks, log-probs)")
-    p.add_argument("--gamma", type=float, default=1.0, help="γ: gae's discount per token (default 1)")
-    p.add_argument("--lam", type=float, default=0.95, help="λ: gae's bias-variance trade-off (default 0.95)")
-    p.add_argument("--kl-in-reward", type=float, default=0.0, metavar="β_r",
-                   help="gae: every token's reward gets −β_r·(log π_old − log π_ref), the k1 estimator\n"
-                        "(in the reward it is the KL's own estimate; default 0: the KL stays in the loss)")
-    p.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=None,
-                   help="gae: normalise A over the batch's real tokens to mean 0, std 1 (default on)")
-    return p
-
-
-def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.length_strata < 1:
-        raise StageError(f"--length-strata must be at least 1, got {args.length_strata}")
-    if not (math.isfinite(args.eps) and args.eps >= 0):
-        raise StageError(f"--eps must be a finite number ≥ 0, got {args.eps}")
-    if args.scale != "group" and args.estimator != "grpo":
-        raise StageError(f"--scale {args.scale} applies to --estimator grpo, not {args.estimator}")
-    gae_only = {"--rollouts": args.rollouts is not None, "--whiten": args.whiten is not None,
-                "--kl-in-reward": args.kl_in_reward != 0}
-    if args.estimator != "gae":
-        given = [flag for flag, is_given in gae_only.items() if is_given]
-        if given:
-            raise StageError(f"{', '.join(given)} applies to --estimator gae, not {args.estimator}")
-        return args
-    if args.rollouts is None:
-        raise StageError("--estimator gae needs --rollouts FILE: the critic's values and the masks")
-    if args.length_strata > 1:
-        raise StageError("--length-strata splits groups, and --estimator gae uses none")
-    for name, value in (("gamma", args.gamma), ("lam", args.lam)):
-        if not 0 <= value <= 1:
-            raise StageError(f"--{name} must lie in [0, 1], got {value}")
-    args.whiten = args.whiten is not False
-    return args
-
-
-def check_groups(group_ids, path):
-    """Check that each group's rows are contiguous and all groups have one size; return (B, G)."""
-    n = group_ids.numel()
-    starts = torch.ones(n, dtype=torch.bool)
-    starts[1:] = group_ids[1:] != group_ids[:-1]
-    run_ids = group_ids[starts]                                   # [B] one id per contiguous run
-    if run_ids.unique().numel() != run_ids.numel():
-        raise StageError(f"{path}: 'group_ids' are not contiguous (a group's rows must be adjacent)")
-    sizes = torch.diff(torch.nonzero(starts).flatten(), append=torch.tensor([n]))
-    if (sizes != sizes[0]).any():
-        raise StageError(f"{path}: groups have unequal sizes {sorted(set(sizes.tolist()))}; "
-                         f"every group needs G rows")
-    return run_ids.numel(), int(sizes[0])
-
+# ----------------------------------------------------------------------------------------
+# The algorithm: advantages within each prompt's group, its variants, and PPO's GAE
 
 def group_rewards(rewards, group_ids, path="group_ids", skipped=None):
     """View rewards [N] as [B, G], one row per prompt's group; returns (r [B, G], valid [B, G]), valid
     false on the rows score.py skipped (no reward applied to them)."""
-    B, G = check_groups(group_ids, path)
+    B, G = files.group_shape(group_ids, path)
     if G < 2:
         raise StageError(f"{path}: every group has G = 1 completion; a group-relative advantage needs "
                          f"G ≥ 2 (sample with --group-size 2 or more)")
@@ -214,37 +143,24 @@ def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=
     return A.float(), R.float()
 
 
-# GAE reads only these keys of the rollouts (values and the log-probs are checked where they are needed).
-ROLLOUTS_FOR_GAE = (files.ROLLOUTS[0], {k: (kind, shapes, k in ("completion_mask", "group_ids"))
-                                        for k, (kind, shapes, _) in files.ROLLOUTS[1].items()})
+def length_strata(group_ids, lengths, strata, path="rewards"):
+    """Regroup each prompt's G rows into `strata` groups of G/S rows of similar length.
+
+    Returns (order [N], strata_ids [N]): rows `order` of the batch, in which each stratum is
+    contiguous, and the stratum id of each of them (prompt b's strata are b·S .. b·S + S − 1).
+    """
+    B, G = files.group_shape(group_ids, path)
+    if G % strata or G // strata < 2:
+        raise StageError(f"--length-strata {strata}: each group's G = {G} rows must split into strata of "
+                         f"equal size of at least 2 (S must divide G and be at most G/2)")
+    by_length = torch.argsort(lengths.reshape(B, G), dim=-1, stable=True)           # [B, G] shortest first
+    order = (by_length + torch.arange(B)[:, None] * G).flatten()                    # [N]
+    strata_ids = torch.arange(B * strata).repeat_interleave(G // strata)             # [N]
+    return order, strata_ids
 
 
-def load_gae_inputs(rewards_file, data, rollouts_file, kl_in_reward=0.0):
-    """The rollouts' tensors that GAE reads, checked against the rewards file: same rows, same groups,
-    a completion mask that is a prefix of each row, values present and 0 where the mask is false, and
-    both log-probs with --kl-in-reward."""
-    rollouts, _, dims = files.load_tensors(rollouts_file, ROLLOUTS_FOR_GAE)
-    if dims["N"] != data["rewards"].numel() or not torch.equal(rollouts["group_ids"], data["group_ids"]):
-        raise StageError(f"{rewards_file}: its rows (N = {data['rewards'].numel()}) and group_ids differ "
-                         f"from those of {rollouts_file} (N = {dims['N']})")
-    if "values" not in rollouts:
-        raise StageError(f"{rollouts_file}: no 'values' for --estimator gae; sample with --critic DIR")
-    missing = [k for k in ("old_logprobs", "ref_logprobs") if k not in rollouts]
-    if kl_in_reward != 0 and missing:
-        raise StageError(f"{rollouts_file}: --kl-in-reward needs '{missing[0]}'"
-                         f"{'; sample with --ref-model' if missing[0] == 'ref_logprobs' else ''}")
-    mask = rollouts["completion_mask"]                                      # [N, T]
-    prefix = torch.arange(mask.shape[1]) < mask.sum(-1, keepdim=True)       # [N, T]
-    if not torch.equal(mask, prefix) or not mask[:, 0].all():
-        bad = torch.nonzero((mask != prefix).any(-1) | ~mask[:, 0]).flatten()
-        raise StageError(f"{rollouts_file}: completion_mask of rows {files.format_rows(bad)} is not a run of "
-                         f"true from the first token (GAE needs each completion's tokens in order)")
-    outside = torch.nonzero(((rollouts["values"] != 0) & ~mask).any(-1)).flatten()
-    if len(outside):
-        raise StageError(f"{rollouts_file}: 'values' is non-zero where completion_mask is false in rows "
-                         f"{files.format_rows(outside)}; the values and the mask do not belong together")
-    return rollouts
-
+# ----------------------------------------------------------------------------------------
+# The estimator chosen by the flags
 
 def group_stats(rewards, group_ids, skipped=None):
     """Per-group diagnostics over the rows not skipped: group_mean [B], group_std [B] (Bessel), zero_std
@@ -253,22 +169,6 @@ def group_stats(rewards, group_ids, skipped=None):
     mean, std = group_mean_std(r, valid)                                    # [B, 1]
     return {"group_mean": mean[:, 0].float(), "group_std": std[:, 0].float(),
             "zero_std": no_signal_groups(r, valid)}
-
-
-def length_strata(group_ids, lengths, strata, path="rewards"):
-    """Regroup each prompt's G rows into `strata` groups of G/S rows of similar length.
-
-    Returns (order [N], strata_ids [N]): rows `order` of the batch, in which each stratum is
-    contiguous, and the stratum id of each of them (prompt b's strata are b·S .. b·S + S − 1).
-    """
-    B, G = check_groups(group_ids, path)
-    if G % strata or G // strata < 2:
-        raise StageError(f"--length-strata {strata}: each group's G = {G} rows must split into strata of "
-                         f"equal size of at least 2 (S must divide G and be at most G/2)")
-    by_length = torch.argsort(lengths.reshape(B, G), dim=-1, stable=True)           # [B, G] shortest first
-    order = (by_length + torch.arange(B)[:, None] * G).flatten()                    # [N]
-    strata_ids = torch.arange(B * strata).repeat_interleave(G // strata)             # [N]
-    return order, strata_ids
 
 
 def compute_advantages(rewards, group_ids, args, lengths=None, rollouts=None, skipped=None):
@@ -298,38 +198,98 @@ def compute_advantages(rewards, group_ids, args, lengths=None, rollouts=None, sk
         A = rloo_advantages(rewards, group_ids, skipped)
     elif args.estimator == "batch":
         A = batch_advantages(rewards, args.eps, skipped)
-        if check_groups(group_ids, "group_ids")[1] < 2:                     # no groups to describe
+        if files.group_shape(group_ids, "group_ids")[1] < 2:                     # no groups to describe
             return {"advantages": A, "group_ids": group_ids}
     return {"advantages": A, "group_ids": group_ids, **group_stats(rewards, group_ids, skipped)}
+
+
+# ----------------------------------------------------------------------------------------
+# The command line
+
+def build_parser():
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rewards", required=True, help="rewards.safetensors from score.py")
+    p.add_argument("--out", required=True, help="output advantages.safetensors")
+    p.add_argument("--estimator", default="grpo", choices=["grpo", "dr_grpo", "rloo", "batch", "gae"],
+                   help="grpo: A = (r − mean)/(std + ε) per group (DeepSeekMath, default)\n"
+                        "dr_grpo: A = r − mean, no std (Dr. GRPO, Liu et al. 2025)\n"
+                        "rloo: A_i = r_i − mean of the other G−1 rewards (RLOO, Ahmadian et al. 2024)\n"
+                        "batch: ABLATION ONLY, one z-score over the whole batch, ignoring groups (mean\n"
+                        "  and std of all N; TRL's scale_rewards='batch' keeps the group mean: that is\n"
+                        "  --scale batch); the source article calls this the most serious error a GRPO\n"
+                        "  implementation can make\n"
+                        "gae: PPO's per-token A_t from the critic's V_t (needs --rollouts with 'values')")
+    p.add_argument("--scale", default="group", choices=["group", "batch", "none"],
+                   help="what grpo divides r − group mean by (TRL's scale_rewards): the group's std\n"
+                        "(default), the whole batch's std, or nothing (then grpo is dr_grpo)")
+    p.add_argument("--eps", type=float, default=1e-4, help="ε in std + ε, grpo and batch (default 1e-4)")
+    p.add_argument("--length-strata", type=int, default=1, metavar="S",
+                   help="S: split each prompt's G completions by length into S strata of G/S\n"
+                        "(shortest first) and compute the estimator within each, so that a completion\n"
+                        "competes only with others of similar length (the source article's remedy for\n"
+                        "length bias; needs 'lengths' in the rewards file; default 1: the whole group)")
+    p.add_argument("--rollouts", default=None, help="gae: rollouts.safetensors (values, masks, log-probs)")
+    p.add_argument("--gamma", type=float, default=1.0, help="γ: gae's discount per token (default 1)")
+    p.add_argument("--lam", type=float, default=0.95, help="λ: gae's bias-variance trade-off (default 0.95)")
+    p.add_argument("--kl-in-reward", type=float, default=0.0, metavar="β_r",
+                   help="gae: every token's reward gets −β_r·(log π_old − log π_ref), the k1\n"
+                        "estimator (in the reward it is the KL's own estimate; default 0: the KL stays in\n"
+                        "the loss)")
+    p.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=None,
+                   help="gae: normalise A over the batch's real tokens to mean 0, std 1 (default on)")
+    return p
+
+
+# What each setting may be, checked before anything is read or written (train.py's runs too).
+RULES = {"eps": at_least(0), "length_strata": at_least(1), "gamma": between(0, 1), "lam": between(0, 1),
+         "kl_in_reward": at_least(0)}
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    settings.check(args, RULES)
+    if args.scale != "group" and args.estimator != "grpo":
+        raise StageError(f"--scale {args.scale} applies to --estimator grpo, not {args.estimator}")
+    gae_only = {"--rollouts": args.rollouts is not None, "--whiten": args.whiten is not None,
+                "--kl-in-reward": args.kl_in_reward != 0}
+    if args.estimator != "gae":
+        given = [flag for flag, is_given in gae_only.items() if is_given]
+        if given:
+            raise StageError(f"{', '.join(given)} applies to --estimator gae, not {args.estimator}")
+        return args
+    if args.rollouts is None:
+        raise StageError("--estimator gae needs --rollouts FILE: the critic's values and the masks")
+    if args.length_strata > 1:
+        raise StageError("--length-strata splits groups, and --estimator gae uses none")
+    args.whiten = args.whiten is not False
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     data, _, _ = files.load_tensors(args.rewards, files.REWARDS)
-    if args.estimator == "gae":
-        rollouts = load_gae_inputs(args.rewards, data, args.rollouts, args.kl_in_reward)
-        tensors = compute_advantages(data["rewards"], data["group_ids"], args, rollouts=rollouts,
-                                     skipped=data.get("skipped"))
-        files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
-        mask = rollouts["completion_mask"]
-        print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions "
-              f"(γ {args.gamma}, λ {args.lam}{', whitened' if args.whiten else ''}): mean return at the "
-              f"first token {tensors['returns'][:, 0].mean().item():.4f}; wrote {args.out}")
-        return
-    if args.estimator == "batch":                                       # groups checked with the file's name;
-        check_groups(data["group_ids"], args.rewards)                     # G = 1 is allowed: no group is used
+    rollouts = None
+    if args.estimator == "gae":                                           # groups play no part
+        rollouts = files.load_gae_rollouts(args.rollouts, args.rewards, data, args.kl_in_reward)
+    elif args.estimator == "batch":                                       # groups are only described:
+        files.group_shape(data["group_ids"], args.rewards)                # G = 1 is allowed
     else:
         group_rewards(data["rewards"], data["group_ids"], args.rewards)
     if args.length_strata > 1 and "lengths" not in data:
         raise StageError(f"{args.rewards}: --length-strata needs the 'lengths' key, which score.py writes")
-    tensors = compute_advantages(data["rewards"], data["group_ids"], args, data.get("lengths"),
-                                 skipped=data.get("skipped"))
+    tensors = compute_advantages(data["rewards"], data["group_ids"], args, data.get("lengths"), rollouts,
+                                 data.get("skipped"))
     files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
+    if rollouts is not None:
+        mask = rollouts["completion_mask"]                                                     # [N, T]
+        print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions "
+              f"(γ {args.gamma}, λ {args.lam}{', whitened' if args.whiten else ''}): mean return at the first "
+              f"token {tensors['returns'][:, 0].mean().item():.4f}; wrote {args.out}")
+        return
     zero = tensors.get("zero_std", torch.zeros(0, dtype=torch.bool))                    # [B]
-    frac = zero.float().mean().item() if zero.numel() else 0
     print(f"{args.estimator} advantages for {data['rewards'].numel()} completions in {zero.numel()} groups: "
-          f"frac_zero_std {frac:.3f} ({int(zero.sum())} groups with "
-          f"all-equal rewards{' get 0' if args.estimator != 'batch' else ''}); wrote {args.out}")
+          f"frac_zero_std {zero.float().mean().item() if zero.numel() else 0:.3f} ({int(zero.sum())} groups "
+          f"with all-equal rewards{' get 0' if args.estimator != 'batch' else ''}); wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Reads   --prompts FILE   JSON lines; each record has "prompt" (a string used as 
                          "messages" (a chat, rendered with the tokenizer's chat template and the
                          generation prompt). Other fields travel to samples.jsonl untouched.
                          The B records starting at --start are used, in file order.
-Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows; FORMATS.md)
+Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows; docs/formats.md)
             prompt_ids [N, P] int64 (left-padded)    prompt_mask [N, P] bool
             completion_ids [N, T] int64 (right-padded)  completion_mask [N, T] bool
             group_ids [N] int64    old_logprobs [N, T] f32
@@ -16,9 +16,12 @@ Example:
     python sample.py --model ckpt/ --prompts prompts.jsonl --out it0/ --group-size 8 \\
         --num-prompts 4 --max-new-tokens 64 --temperature 1.0 --seed 0 --ref-model ckpt/
 
-Choices where the paper and FORMATS.md are silent:
-- Plain temperature sampling, no top-k or top-p: the ratio ρ_t needs the log-prob of the
-  distribution a token was actually drawn from, and that is log_softmax(logits / τ).
+Choices where the paper and docs/formats.md are silent:
+- Tokens are drawn at temperature τ, from the distribution that --top-k, --top-p and --min-p (in
+  that order, all off by default) truncate; log π_old is the model's log_softmax(logits / τ),
+  untruncated, as TRL and verl record it, because the update's log π_θ is that same untruncated
+  distribution (so ρ = 1 on-policy). The truncation is then a choice of which tokens to try, not
+  part of π_old: the ratio does not correct for it.
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
@@ -40,61 +43,39 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import diagnostics, distributed, files, modeling
+from grpo import distributed, files, modeling, settings
+from grpo.rollouts import concat_rollouts, pad_right
+from grpo.settings import above, at_least, between
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
 
 
-def build_parser():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="policy π_old (π_θ before this update): folder or Hub id")
-    p.add_argument("--prompts", required=True, help="JSON-lines prompts ('prompt' or 'messages' per record)")
-    p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
-    p.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
-    p.add_argument("--num-prompts", type=int, default=None, help="B: prompts (default: all from --start)")
-    p.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit (128)")
-    p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--ref-model", default=None, help="π_ref: the frozen reference model's folder or Hub id")
-    p.add_argument("--critic", default=None,
-                   help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
-    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill each distinct prompt once and expand its KV cache to its G rows, in the\n"
-                        "sampler, --ref-model and --critic (default); --no-prefix-sharing: every row its\n"
-                        "own prompt (the reference path; the same completions and log-probs)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
-    add_runtime_flags(p)
-    return p
+# ----------------------------------------------------------------------------------------
+# The algorithm: one completion per row, token by token from softmax(logits / τ)
 
-
-def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.group_size < 1:
-        raise StageError(f"--group-size must be at least 1, got {args.group_size}")
-    if args.temperature <= 0:
-        raise StageError(f"--temperature must be > 0 (log-probs are taken at τ), got {args.temperature}")
-    if args.max_new_tokens < 1:
-        raise StageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    return args
-
-
-def select_records(path, start, num_prompts):
-    records = files.read_jsonl(path)
-    if not 0 <= start < len(records):
-        raise StageError(f"{path}: --start {start} is outside its {len(records)} records")
-    end = len(records) if num_prompts is None else start + num_prompts
-    if num_prompts is not None and (num_prompts < 1 or end > len(records)):
-        raise StageError(f"{path}: --num-prompts {num_prompts} from --start {start} needs {end} records, "
-                         f"the file has {len(records)}")
-    return records[start:end]
+def truncate(z, top_k=0, top_p=1.0, min_p=0.0):
+    """The logits at τ, z [n, V], with the tokens that top-k, then top-p (the smallest set of most
+    likely tokens whose probability reaches p), then min-p (tokens below min_p × the most likely
+    one's probability) leave out set to −inf, in that order (as transformers' warpers). 0, 1.0, 0.0:
+    off."""
+    if top_k:
+        keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, z.topk(top_k, dim=-1).indices, True)
+        z = z.masked_fill(~keep, -torch.inf)                                        # exactly k tokens
+    if top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)                           # [n, V]
+        p = sorted_z.softmax(-1)                                                    # [n, V]
+        outside = p.cumsum(-1) - p >= top_p                  # the more likely ones already reach p
+        z = z.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), -torch.inf)
+    if min_p > 0.0:
+        p = z.softmax(-1)                                                           # [n, V]
+        z = z.masked_fill(p < min_p * p.max(-1, keepdim=True).values, -torch.inf)
+    return z
 
 
 @torch.inference_mode()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids, pad_id,
-                       generator, progress=None, share_prefix=True):
-    """Draw one completion per row: token t ~ softmax(logits_t / τ).
+                       generator, progress=None, share_prefix=True, top_k=0, top_p=1.0, min_p=0.0):
+    """Draw one completion per row: token t ~ softmax(truncate(logits_t / τ)), top-k, top-p and min-p
+    applied after τ; its log-prob is the model's at τ, log_softmax(logits_t / τ), untruncated.
 
     prompt_ids/prompt_mask [n, P]. Returns completion_ids [n, T], completion_mask [n, T],
     logprobs [n, T] (at τ) and truncated [n], with T <= max_new_tokens.
@@ -110,7 +91,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     tokens, masks, logprobs = [], [], []
     for _ in range(max_new_tokens):
         logits = out[:, -1].float()                                                   # [n, V]
-        probs = torch.softmax(logits / temperature, dim=-1)                           # [n, V]
+        probs = torch.softmax(truncate(logits / temperature, top_k, top_p, min_p), dim=-1)  # [n, V]
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)          # [n]
         logprobs.append(modeling.logprobs_from_logits(logits, token, temperature))   # log π_old, [n]
         masks.append(~finished)
@@ -131,42 +112,18 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     return completion_ids, completion_mask, logprobs, ~finished
 
 
-def pad_right(tensors, value):
-    """Stack [n_i, T_i] chunks into [sum n_i, max T_i], padding on the right."""
-    T = max(t.shape[1] for t in tensors)
-    return torch.cat([modeling.pad_columns(t, T, value) for t in tensors])
+# ----------------------------------------------------------------------------------------
+# The loop: G completions per prompt, log π_ref and V_t beside them; under torchrun, shares of groups
 
-
-def concat_rollouts(parts, pad_id):
-    """Stack whole groups of several rollouts dicts: prompts re-padded on the left, completions on the
-    right, group_ids renumbered 0..B−1 in order. Each part holds complete groups."""
-    P = max(part["prompt_ids"].shape[1] for part in parts)
-    out, offset, groups = {}, 0, []
-    for part in parts:
-        _, first = torch.unique_consecutive(part["group_ids"], return_inverse=True)
-        groups.append(first + offset)
-        offset += int(first.max()) + 1
-    for key in parts[0]:
-        value = pad_id if key.endswith("_ids") else 0                     # masks: False, log-probs: 0
-        if key.startswith("prompt"):
-            out[key] = torch.cat([torch.nn.functional.pad(p[key], (P - p[key].shape[1], 0), value=value)
-                                  for p in parts])
-        elif parts[0][key].dim() == 2:
-            out[key] = pad_right([p[key] for p in parts], value)
-        else:
-            out[key] = torch.cat([p[key] for p in parts])
-    out["group_ids"] = torch.cat(groups)                                                    # [N]
-    return out
-
-
-def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, prompts_path="prompts",
+def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, where=("prompts", None),
             critic=None):
     """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows).
     log π_ref comes from `ref_model` and PPO's V_t from `critic`, when given."""
     device = next(policy.parameters()).device
     context = getattr(policy.config, "max_position_embeddings", None)
     max_len = context - args.max_new_tokens if context else None
-    texts, token_lists = modeling.render_prompts(records, tokenizer, prompts_path, max_len, args.start)
+    path, lines = where                                 # the records' file and lines, for messages
+    texts, token_lists = modeling.render_prompts(records, tokenizer, path, max_len, lines)
     G = args.group_size
     prompt_ids, prompt_mask = modeling.left_pad(token_lists, tokenizer.pad_token_id)  # [B, P]
     prompt_ids = prompt_ids.repeat_interleave(G, dim=0).to(device)                    # [N, P]
@@ -182,7 +139,8 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
         for rows in distributed.row_slices(N, args.micro_batch_size):
             ids, mask, logp, truncated = sample_completions(
                 policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
-                eos_ids, tokenizer.pad_token_id, generator, progress=bar, share_prefix=args.prefix_sharing)
+                eos_ids, tokenizer.pad_token_id, generator, progress=bar, share_prefix=args.prefix_sharing,
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
             for key, value in zip(chunks, (ids, mask, logp, truncated)):
                 chunks[key].append(value)
     tensors = {
@@ -208,23 +166,22 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, pr
     return tensors, samples
 
 
-def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_path="prompts", critic=None):
+def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("prompts", None), critic=None):
     """rollout() under torchrun: rank r samples a contiguous share of whole groups from its own
     generator, seeded with distributed.rank_seed(seed, r), and every rank gets all rows back in group
     order. So rank r's groups are what one process draws for that share (--start, --num-prompts)
     with that seed. One process: rollout() itself."""
     rank, world = distributed.rank_and_world()
     if world == 1:
-        return rollout(policy, tokenizer, records, args, ref_model, prompts_path=prompts_path, critic=critic)
+        return rollout(policy, tokenizer, records, args, ref_model, where=where, critic=critic)
     if len(records) < world:
         raise StageError(f"{len(records)} prompts for {world} processes: each process samples whole groups, "
                          f"so --num-prompts must be at least the number of processes")
     share = distributed.shard_slice(len(records), rank, world)
-    local_args = argparse.Namespace(**{**vars(args), "start": args.start + share.start})
     device = next(policy.parameters()).device
     generator = torch.Generator(device=device).manual_seed(distributed.rank_seed(args.seed, rank))
-    tensors, samples = rollout(policy, tokenizer, records[share], local_args, ref_model, generator,
-                               prompts_path, critic)
+    tensors, samples = rollout(policy, tokenizer, records[share], args, ref_model, generator,
+                               (where[0], where[1] and where[1][share]), critic)
     for s in samples:
         s["group"] += share.start
     pad = tokenizer.pad_token_id
@@ -234,32 +191,19 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, prompts_pa
     return tensors, distributed.all_gather_json(samples)
 
 
-def dapo_dynamic_sampling(sample_round, first_slot, rounds, B, G, pad_id, perf):
-    """DAPO's dynamic sampling (Yu et al. 2025) for train.py --dynamic-sampling: groups whose rewards
-    are all equal give no gradient, so they are dropped and the B records of the next slot sampled,
-    until B informative groups or `rounds` rounds. `sample_round(slot)` samples and scores one round:
-    (batch, sample_args, score_args), the batch a dict of records, rollouts, samples, rewards,
-    components and skipped. Returns the same for the kept groups, renumbered 0..B−1."""
-    kept, last = [], None
-    for r in range(rounds):
-        last, sample_args, score_args = sample_round(first_slot + r)
-        informative = ~diagnostics.no_signal_groups(last["rewards"].double().reshape(B, G),
-                                                     ~last["skipped"].reshape(B, G))                # [B]
-        kept += [(last, b) for b in range(B) if informative[b]]
-        perf["charts/sample_rounds"] = r + 1
-        if len(kept) >= B:
-            break
-    perf["charts/informative_groups"] = min(len(kept), B)
-    kept = [(part, slice(b * G, (b + 1) * G), b) for part, b in (kept or [(last, b) for b in range(B)])[:B]]
-    batch = {"rollouts": concat_rollouts([{k: v[rows] for k, v in part["rollouts"].items()}
-                                          for part, rows, _ in kept], pad_id),
-             "records": [part["records"][b] for part, _, b in kept],
-             "samples": [dict(s, group=g) for g, (part, rows, _) in enumerate(kept)
-                         for s in part["samples"][rows]],
-             "components": {k: torch.cat([part["components"][k][rows] for part, rows, _ in kept])
-                            for k in last["components"]},
-             **{k: torch.cat([part[k][rows] for part, rows, _ in kept]) for k in ("rewards", "skipped")}}
-    return batch, sample_args, score_args
+# ----------------------------------------------------------------------------------------
+# Reading and writing files
+
+def select_records(path, start, num_prompts):
+    """The B records from --start (counted from 0, in file order), and the line of each."""
+    records, lines = files.read_jsonl(path, with_lines=True)
+    if not 0 <= start < len(records):
+        raise StageError(f"{path}: --start {start} is outside its {len(records)} records")
+    end = len(records) if num_prompts is None else start + num_prompts
+    if end > len(records):
+        raise StageError(f"{path}: --num-prompts {num_prompts} from --start {start} needs {end} records, "
+                         f"the file has {len(records)}")
+    return records[start:end], lines[start:end]
 
 
 def write_outputs(out_dir, tensors, samples, args):
@@ -270,9 +214,58 @@ def write_outputs(out_dir, tensors, samples, args):
     files.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, files.ROLLOUTS[0], vars(args))
 
 
+# ----------------------------------------------------------------------------------------
+# The command line
+
+def build_parser():
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True,
+                   help="policy π_old (π_θ before this update): folder or Hub id")
+    p.add_argument("--prompts", required=True, help="JSON-lines prompts ('prompt' or 'messages' per record)")
+    p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
+    p.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
+    p.add_argument("--num-prompts", type=int, default=None, help="B: prompts (default: all from --start)")
+    p.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit (128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="draw from the K most likely tokens only, after τ (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus: draw from the most likely tokens whose probability reaches P, after τ and\n"
+                        "top-k (default 1.0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="M",
+                   help="leave out tokens below M × the most likely one's probability, after top-p\n"
+                        "(default 0: none); log-probs stay the model's at τ, whatever the truncation")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--ref-model", default=None, help="π_ref: the frozen reference model's folder or Hub id")
+    p.add_argument("--critic", default=None,
+                   help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
+    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill each distinct prompt once and expand its KV cache to its G rows, in the\n"
+                        "sampler, --ref-model and --critic (default); --no-prefix-sharing: every row its\n"
+                        "own prompt (the reference path; the same completions and log-probs)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
+    add_runtime_flags(p)
+    return p
+
+
+# What each setting may be, checked before anything is read or written (train.py's runs too).
+RULES = {"group_size": at_least(1), "num_prompts": at_least(1), "start": at_least(0),
+         "max_new_tokens": at_least(1), "temperature": above(0), "top_k": at_least(0),
+         "top_p": between(0, 1, lo_open=True), "min_p": between(0, 1), "micro_batch_size": at_least(0)}
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    settings.check(args, RULES)
+    return args
+
+
 def main(argv=None):
     args = parse_args(argv)
-    records = select_records(args.prompts, args.start, args.num_prompts)
+    records, lines = select_records(args.prompts, args.start, args.num_prompts)
     args.num_prompts = len(records)
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
@@ -283,8 +276,8 @@ def main(argv=None):
     critic = modeling.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 
     t0 = time.perf_counter()
-    tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, prompts_path=args.prompts,
-                                       critic=critic)
+    tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, (args.prompts, lines),
+                                       critic)
     seconds = time.perf_counter() - t0
     if not distributed.is_main():
         return

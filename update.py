@@ -1,6 +1,6 @@
 """Stage 4 of GRPO: update the policy with PPO's clipped objective and a β·KL penalty to π_ref.
 
-For every completion token o_t of completion o_i (DeepSeekMath, eq. 3; FORMATS.md):
+For every completion token o_t of completion o_i (DeepSeekMath, eq. 3; docs/formats.md):
 
     ρ_t   = exp(log π_θ(o_t) − log π_old(o_t))
     ℓ_t   = −min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·k3_t
@@ -11,7 +11,7 @@ Reads   --model DIR        the policy π_θ (π_old before the first step), and 
                            holds optimizer.safetensors (unless --fresh-optimizer)
         --rollouts FILE    rollouts.safetensors: ids and masks, old_logprobs, ref_logprobs [N, T]
         --advantages FILE  advantages.safetensors: advantages [N] (or [N, T]), group_ids [N]
-Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (FORMATS.md)
+Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (docs/formats.md)
 
 PPO with a critic (--critic DIR --critic-out DIR): the advantages are per token (advantage.py
 --estimator gae) and, in the same minibatches, the critic V takes its own AdamW step (--critic-lr)
@@ -26,7 +26,7 @@ Example:
         --advantages it0/advantages.safetensors --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2 \\
         --loss-agg seq --epochs 1 --minibatch-size 16
 
-Choices where the paper and FORMATS.md are silent:
+Choices where the paper and docs/formats.md are silent:
 - log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the sampling
   temperature of the rollouts' metadata (--temperature overrides). log π_old is the rollouts'
   old_logprobs on a CPU, where sampler and update both run in float32 and agree to about 1e-6;
@@ -43,6 +43,10 @@ Choices where the paper and FORMATS.md are silent:
   completions attend to its cached keys and values (modeling.completion_outputs); the backward pass
   sums their gradients into it. --no-prefix-sharing gives every row its own prompt: the same loss,
   metrics and gradients to rounding.
+- The learning rate of AdamW's step s (optim.scheduled_lr): lr·(s + 1)/W during a warm-up of W =
+  --warmup-steps, so the first step already moves (transformers' schedulers start at 0), then
+  --lr-schedule; --weight-decay is AdamW's decoupled decay. Both are set from these arguments at
+  every step, whoever built the optimizer (train.py builds it once per run).
 - Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step; gradients are
   clipped to --max-grad-norm; a row with no completion token is an error.
 - --out DIR is replaced as a unit, so it must be new, empty, or an earlier checkpoint.
@@ -50,108 +54,24 @@ Choices where the paper and FORMATS.md are silent:
 
 import argparse
 import json
-import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from grpo import checkpoints, diagnostics, distributed, files, modeling
+from grpo import checkpoints, diagnostics, distributed, files, modeling, optim, settings
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn, warn_once
+from grpo.settings import above, at_least, between
+from grpo.update_metrics import UpdateMetrics
 
 
-def build_parser():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder or Hub id)")
-    p.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
-    p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
-    p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
-    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    p.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
-                   help="lr by AdamW step: constant, or a linear or cosine decay to 0 at --total-steps")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over this many AdamW steps")
-    p.add_argument("--total-steps", type=int, default=None, help="AdamW steps it spans (train.py sets it)")
-    p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
-    p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
-    p.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
-    p.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
-                   help="how ℓ_t is averaged: seq, the mean of the sequences' token means (DeepSeekMath,\n"
-                        "default); token, Σ ℓ_t / token count (DAPO); dr_grpo, Σ ℓ_t / (N × L_max)")
-    p.add_argument("--dual-clip", type=float, default=None, metavar="C",
-                   help="C: for A < 0 cap the token loss at C·|A|, C > 1 (dual-clip PPO, Ye et al. 2020)")
-    p.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
-                   help="token: ρ_t per token (default); sequence: one ρ_i = exp(mean_t log ρ_t) per\n"
-                        "completion (GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
-    p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
-                   help="KL estimator in the loss, x = log π_ref − log π_θ (Schulman 2020): k1 = −x,\n"
-                        "whose expected gradient on-policy is 0 (noise only); k2 = x²/2, the gradient of\n"
-                        "KL(π_θ‖π_ref); k3 = eˣ − x − 1 (default), that of KL(π_ref‖π_θ). metrics: k3")
-    p.add_argument("--entropy-coef", type=float, default=0.0, help="c: add −c·H_t to ℓ_t (verl; default 0)")
-    p.add_argument("--mask-truncated", action="store_true",
-                   help="no loss on completions that reached L_max without EOS (DAPO's overlong filtering)")
-    p.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
-                   help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
-                        "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
-    p.add_argument("--critic", default=None, help="PPO: the critic V to train (from train.py --algo ppo)")
-    p.add_argument("--critic-out", default=None, help="PPO: output folder of the critic and its AdamW state")
-    p.add_argument("--critic-lr", type=float, default=None,
-                   help="the critic's AdamW lr (default 10 × --lr: its head starts from zero and must fit\n"
-                        "the returns within a few steps while the policy moves slowly; verl's defaults)")
-    p.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
-    p.add_argument("--value-clip", type=float, default=0.2, help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
-    p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
-    p.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each layer's activations in the backward pass instead of keeping them:\n"
-                        "less memory, about one more forward pass of time; the same numbers")
-    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
-                   help="run each distinct prompt of a micro-batch once and let its completions attend to\n"
-                        "its keys and values (default); --no-prefix-sharing: each row's prompt its own\n"
-                        "(the reference path; the same numbers). Off under --gradient-checkpointing")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    p.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
-    p.add_argument("--max-bad-steps", type=int, default=5, help="non-finite steps skipped, at most (5)")
-    p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
-    p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
-    p.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
-    add_runtime_flags(p)
-    return p
-
-
-def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.clip_eps_high is None:
-        args.clip_eps_high = args.clip_eps
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise StageError(f"--dual-clip must be > 1 (it caps the loss above the clipped term), "
-                         f"got {args.dual_clip}")
-    if args.epochs < 1:
-        raise StageError(f"--epochs must be at least 1, got {args.epochs}")
-    if args.lr_schedule != "constant" and not args.total_steps:
-        raise StageError(f"--lr-schedule {args.lr_schedule} decays to 0 at --total-steps, which is missing")
-    if args.warmup_steps < 0:
-        raise StageError(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
-    if (args.critic is None) != (args.critic_out is None):
-        raise StageError("--critic and --critic-out go together: the critic read and the critic written")
-    if args.critic_lr is None:
-        args.critic_lr = 10 * args.lr
-    if args.prefix_sharing and args.gradient_checkpointing:
-        warn_once("update: no prefix sharing under --gradient-checkpointing (transformers' checkpointed "
-                  "layers take no KV cache); each row computes its own prompt")
-        args.prefix_sharing = False
-    if args.old_logprobs is None:   # bf16 autocast on a GPU makes the sampler's and the update's differ
-        args.old_logprobs = "recompute" if distributed.pick_device(args.device).type == "cuda" else "sampler"
-    return args
-
+# ----------------------------------------------------------------------------------------
+# The algorithm: the clipped, KL-penalised token loss, its aggregation, and PPO's value loss
 
 def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, beta, clip_eps, clip_eps_high,
                     dual_clip=None, ratio_level="token", kl_estimator="k3", entropy=None, entropy_coef=0.0):
-    """ℓ_t of FORMATS.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T].
+    """ℓ_t of docs/formats.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T].
     With entropy_coef c, ℓ_t also holds −c·H_t (`entropy` [n, T], with its gradient; verl)."""
     A = advantages[:, None] if advantages.dim() == 1 else advantages          # [n, 1] or [n, T]
     log_ratio = logp - old_logp                                                # [n, T]
@@ -199,152 +119,102 @@ def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
     return masked.sum() / (num_seqs * max_new_tokens)  # dr_grpo: Σ ℓ_t / (N × L_max)
 
 
-def micro_batch_loss(policy, batch, advantages, num_seqs, num_tokens, args):
-    """This micro-batch's share of the minibatch loss, and the per-token terms of its metrics. The
-    loss covers the tokens of loss_mask: completion_mask, less truncated rows with --mask-truncated."""
-    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]             # [n, T]
-    logp, entropy = modeling.completion_logprobs(
-        policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask, args.temperature,
-        with_entropy=True, entropy_grad=args.entropy_coef != 0, share_prefix=args.prefix_sharing)  # [n, T]
-    token_loss, terms = grpo_token_loss(
-        logp, batch["old_logprobs"], batch.get("ref_logprobs"), advantages, mask, args.beta, args.clip_eps,
-        args.clip_eps_high, args.dual_clip, args.ratio_level, args.kl_estimator, entropy, args.entropy_coef)
-    loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
-    with torch.no_grad():
-        policy_loss = aggregate(terms["pg_loss"], loss_mask, args.loss_agg, num_seqs, num_tokens,
-                                args.max_new_tokens)
-    return loss, {**terms, "logp": logp, "entropy": entropy, "policy_loss": policy_loss}
-
-
 def clipped_value_loss(values, old_values, returns, value_clip):
-    """PPO's clipped value loss per token, ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²), and
-    where the clipped term is the larger (so the step cannot move V further than ε_v). [n, T] each."""
+    """PPO's clipped value loss per token, ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²),
+    and where the clipped term is the larger (so the step cannot move V further than ε_v). [n, T] each."""
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)     # [n, T]
     unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
     return 0.5 * torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
 
 
-@dataclass
-class Critic:
-    """PPO's value network V and its own AdamW."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+# ----------------------------------------------------------------------------------------
+# The loop: μ epochs → minibatches (one AdamW step each) → micro-batches (one backward each)
 
-
-def micro_batch_value_loss(critic, batch, num_seqs, num_tokens, args):
-    """This micro-batch's share of the minibatch's value loss (aggregated like the policy loss, over the
-    tokens of loss_mask), and the per-token terms of its metrics."""
-    V = modeling.completion_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                   batch["completion_mask"], args.prefix_sharing)             # V_t [n, T]
-    token_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
-    loss = aggregate(token_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
-    return loss, {"value_loss": loss.detach(), "value": V.detach(), "value_clipped": clipped}
-
-
-# Metrics summed over a minibatch's micro-batches (and ranks) before each step: metrics.json's
-# per-token means, each the sum over completion tokens of a term, divided by the token count.
-TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped_low",
-               "clip_frac_high": "clipped_high", "clip_frac_dual": "dual_clipped", "ratio_mean": "ratio",
-               "entropy": "entropy"}
-# The on-policy check (the first minibatch, before any step) adds: |log π_θ − log π_old| summed over
-# completion tokens, and the tokens (sequences, at --ratio-level sequence) outside the clip band.
-VALUE_TOKEN_MEANS = {"value_clip_frac": "value_clipped", "value_mean": "value"}       # PPO's critic
-SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "completion_tokens", "outside_clip", "checked",
-        "value_loss", *VALUE_TOKEN_MEANS)
-MAXES = ("ratio", "logprob_diff")
-
-
-@torch.no_grad()
-def add_metrics(sums, maxes, loss, terms, batch, args):
-    """Add a micro-batch to the minibatch's sums and maxima (dicts keyed by name)."""
-    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]             # [n, T]
-    sums["loss"] += loss.item()
-    sums["policy_loss"] += terms["policy_loss"].item()
-    token_means = {**TOKEN_MEANS, **VALUE_TOKEN_MEANS} if "value" in terms else TOKEN_MEANS
-    for name, term in token_means.items():
-        sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
-    sums["value_loss"] += terms["value_loss"].item() if "value" in terms else 0.0
-    if loss_mask.any():
-        maxes["ratio"] = max(maxes["ratio"], terms["ratio"][loss_mask].max().item())
-    diff_max, diff_sum = diagnostics.logprob_mismatch(terms["logp"], batch["old_logprobs"], mask)
-    sums["logprob_diff"] += diff_sum
-    sums["completion_tokens"] += mask.sum().item()
-    maxes["logprob_diff"] = max(maxes["logprob_diff"], diff_max)
-    ratio = terms["ratio"] if args.ratio_level == "token" else terms["ratio"][:, :1]    # [n, T] or [n, 1]
-    checked = mask if args.ratio_level == "token" else mask.any(-1, keepdim=True)
-    outside = (ratio < 1 - args.clip_eps) | (ratio > 1 + args.clip_eps_high)
-    sums["outside_clip"] += (outside & checked).sum().item()
-    sums["checked"] += checked.sum().item()
-
-
-def step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, lr):
-    """One optimizer step's metrics, in metrics.json's names (kl is null without ref_logprobs); with a
-    critic (a second grad norm), its value_* metrics too."""
-    per_token = {name: sums[name] / num_tokens for name in TOKEN_MEANS}
-    if not has_ref:
-        per_token["kl"] = per_token["kl_penalty"] = None
-    metrics = {"loss": sums["loss"], "policy_loss": sums["policy_loss"], **per_token,
-               "clip_frac": per_token["clip_frac_low"] + per_token["clip_frac_high"],
-               "ratio_max": maxes["ratio"], "grad_norm": grad_norms[0], "tokens": num_tokens, "lr": lr}
-    if len(grad_norms) > 1:
-        metrics.update(value_loss=sums["value_loss"], value_grad_norm=grad_norms[1],
-                       **{name: sums[name] / num_tokens for name in VALUE_TOKEN_MEANS})
+def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, returns=None):
+    """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict. With a
+    `critic` (optim.Critic, PPO), each minibatch also steps the critic on the clipped value loss
+    towards `returns`. Under torchrun each rank runs its share of every minibatch
+    (distributed.micro_batches) with the whole minibatch's normalisers, so the step is the
+    one-process step."""
+    rollouts = training_rows(policy, rollouts, advantages, returns, args)
+    N, device = rollouts["group_ids"].shape[0], next(policy.parameters()).device
+    models = [policy] + ([critic.model] if critic else [])
+    optimizers = [optimizer] + ([critic.optimizer] if critic else [])
+    log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level, "ref_logprobs" in rollouts,
+                        len(models))
+    generator, skipped = torch.Generator().manual_seed(args.seed), 0
+    minibatches = distributed.row_slices(N, args.minibatch_size)
+    bar = tqdm(total=args.epochs * len(minibatches), desc="update", leave=False,
+               disable=None if distributed.is_main() else True)
+    with modeling.gradient_checkpointing(models, args.gradient_checkpointing):
+        for epoch in range(args.epochs):
+            order = torch.randperm(N, generator=generator)                                       # [N]
+            for minibatch in minibatches:
+                rows = order[minibatch]                                                          # [M]
+                num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+                log.start()
+                passes = distributed.micro_batches(rows, args.micro_batch_size)   # this rank's share
+                for k, (idx, weight) in enumerate(passes):
+                    batch = {key: v[idx].to(device) for key, v in rollouts.items()}
+                    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]              # [n, T]
+                    with distributed.grad_sync(policy, k == len(passes) - 1):
+                        logp, entropy = modeling.completion_logprobs(
+                            policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask,
+                            args.temperature, with_entropy=True, entropy_grad=args.entropy_coef != 0,
+                            share_prefix=args.prefix_sharing)                             # log π_θ [n, T]
+                        token_loss, terms = grpo_token_loss(
+                            logp, batch["old_logprobs"], batch.get("ref_logprobs"), batch["advantages"], mask,
+                            args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level,
+                            args.kl_estimator, entropy, args.entropy_coef)                      # ℓ_t [n, T]
+                        loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
+                                         args.max_new_tokens)
+                        (loss * weight).backward()   # DDP and FSDP average over ranks; × world: a sum
+                    terms.update(logp=logp, entropy=entropy, policy_loss=aggregate(
+                        terms["pg_loss"].detach(), loss_mask, args.loss_agg, num_seqs, num_tokens,
+                        args.max_new_tokens))
+                    if critic:
+                        with distributed.grad_sync(critic.model, k == len(passes) - 1):
+                            V = modeling.completion_values(                                        # V_t [n, T]
+                                critic.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                mask, args.prefix_sharing)
+                            value_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"],
+                                                                     args.value_clip)
+                            value_loss = aggregate(value_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
+                                                   args.max_new_tokens)
+                            (args.vf_coef * value_loss * weight).backward()
+                        terms.update(value_loss=value_loss.detach(), value=V.detach(), value_clipped=clipped)
+                    if weight:                    # weight 0: a padding pass, for the collectives alone
+                        log.add(batch, loss, terms)
+                grad_norms = [optim.clip_gradients(model, args.max_grad_norm) for model in models]
+                bar.update(1)
+                if not log.end_minibatch(grad_norms):      # NaN or inf would reach every weight
+                    skipped = optim.skip_step(optimizers, skipped, grad_norms, log.sums["loss"],
+                                              args.max_bad_steps)
+                    continue
+                lr = optim.step(optimizers, args)
+                log.step(num_tokens, lr)
+                bar.set_postfix(loss=f"{log.sums['loss']:.4f}")
+    bar.close()
+    metrics = log.summary(skipped)
+    if critic:                           # how much of the returns' variance the sampled V_old explained
+        metrics["explained_variance"] = diagnostics.explained_variance(rollouts["values"], returns,
+                                                                       rollouts["completion_mask"])
+    for warning in log.warnings():
+        warn(warning)
     return metrics
 
 
-def scheduled_lr(args, step, lr=None):
-    """The learning rate of AdamW's step `step` (0 for the first): a linear warm-up over
-    --warmup-steps, then `lr` (default --lr), constant or decaying (linearly or as a half cosine) to 0
-    at --total-steps. The critic follows the same schedule from --critic-lr."""
-    lr = args.lr if lr is None else lr
-    if step < args.warmup_steps:
-        return lr * (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return lr
-    progress = min((step - args.warmup_steps) / max(args.total_steps - args.warmup_steps, 1), 1.0)
-    if args.lr_schedule == "linear":
-        return lr * (1 - progress)
-    return lr * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def adamw_steps(optimizer):
-    """Steps AdamW has taken: its state's `step`, which optimizer.safetensors keeps across resumes."""
-    state = next(iter(optimizer.state.values()), None)
-    return int(state["step"]) if state else 0
-
-
-def clip_gradients(model, max_norm):
-    """Clip the model's gradient to max_norm; its norm before clipping, as a float (FSDP: the full norm)."""
-    return float(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-
-
-def set_lr(optimizer, lr):
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-def skip_step(optimizers, skipped, grad_norms, loss, max_bad_steps):
-    """A non-finite loss or gradient would write NaN into every weight: drop the step, count it."""
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    skipped += 1
-    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad norms {grad_norms}); "
-         f"optimizer step skipped ({skipped} so far)")
-    if skipped > max_bad_steps:
-        raise StageError(f"{skipped} optimizer steps had a non-finite loss or gradient, more than "
-                         f"--max-bad-steps {max_bad_steps}; stopping. Lower --lr, check the rewards and "
-                         f"advantages, or look for NaN weights in --model")
-    return skipped
-
-
-def training_rows(policy, rollouts, args, returns=None):
-    """The rollouts the update trains on: loss_mask (completion_mask, less truncated rows with
-    --mask-truncated, DAPO's overlong filtering), the critic's `returns`, and with --old-logprobs
-    recompute, log π_old from the policy as it is now."""
+def training_rows(policy, rollouts, advantages, returns, args):
+    """The rollouts the update trains on, with their advantages (and the critic's `returns`):
+    loss_mask is completion_mask, less the truncated rows with --mask-truncated (DAPO's overlong
+    filtering); with --old-logprobs recompute, log π_old comes from the policy as it is now."""
     loss_mask = rollouts["completion_mask"]                                                # [N, T]
     if args.mask_truncated:
         loss_mask = loss_mask & ~rollouts["truncated"][:, None]
-    rollouts = {**rollouts, "loss_mask": loss_mask, **({"returns": returns} if returns is not None else {})}
+    rollouts = {**rollouts, "loss_mask": loss_mask, "advantages": advantages,
+                **({"returns": returns} if returns is not None else {})}
     if args.old_logprobs == "recompute":
         # Every rank computes all rows: under FSDP each forward is a collective.
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature,
@@ -352,112 +222,8 @@ def training_rows(policy, rollouts, args, returns=None):
     return rollouts
 
 
-def accumulate_gradients(policy, critic, rollouts, advantages, rows, args):
-    """Backpropagate one minibatch's loss (and the critic's value loss) over this rank's micro-batches
-    of `rows`; the minibatch's metric sums and maxima over all ranks, and its loss-token count."""
-    device = next(policy.parameters()).device
-    num_tokens = max(int(rollouts["loss_mask"][rows].sum()), 1)
-    sums, maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
-    passes = distributed.micro_batches(rows, args.micro_batch_size)
-    for k, (idx, weight) in enumerate(passes):
-        batch = {key: v[idx].to(device) for key, v in rollouts.items()}
-        with distributed.grad_sync(policy, k == len(passes) - 1):
-            loss, terms = micro_batch_loss(policy, batch, advantages[idx].to(device), len(rows), num_tokens,
-                                           args)
-            (loss * weight).backward()           # DDP and FSDP average over ranks; × world makes it a sum
-        if critic:
-            with distributed.grad_sync(critic.model, k == len(passes) - 1):
-                value_loss, value_terms = micro_batch_value_loss(critic.model, batch, len(rows), num_tokens,
-                                                                 args)
-                (args.vf_coef * value_loss * weight).backward()
-            terms.update(value_terms)
-        if weight:                               # weight 0: a padding pass, for the collectives alone
-            add_metrics(sums, maxes, loss, terms, batch, args)
-    return distributed.all_reduce(sums, "sum"), distributed.all_reduce(maxes, "max"), num_tokens
-
-
-def on_policy_check(sums, maxes):
-    """The first minibatch's mismatch, before any step, when π_θ is still π_old."""
-    return {"logprob_diff_max": maxes["logprob_diff"],
-            "logprob_diff_mean": sums["logprob_diff"] / sums["completion_tokens"],
-            "outside_clip_on_policy": sums["outside_clip"] / sums["checked"]}
-
-
-def optimizer_step(optimizers, args):
-    """Step AdamW (and the critic's) at the scheduled learning rates; the policy's rate."""
-    step = adamw_steps(optimizers[0])
-    for optimizer, lr in zip(optimizers, (args.lr, args.critic_lr)):
-        set_lr(optimizer, scheduled_lr(args, step, lr))
-        optimizer.step()
-    return scheduled_lr(args, step)
-
-
-def mean_metrics(steps, num_models, has_ref):
-    """The mean of each metric over the optimizer steps (null for a null one, all null with no step)."""
-    if not steps:
-        placeholder = step_metrics(dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0), [0.0] * num_models, 1,
-                                   has_ref, 0.0)
-        return dict.fromkeys(placeholder)
-    return {k: None if v is None else sum(s[k] for s in steps) / len(steps) for k, v in steps[0].items()}
-
-
-def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, returns=None):
-    """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict. With a
-    `critic` (PPO), each minibatch also steps the critic on the clipped value loss towards `returns`.
-
-    Under torchrun each rank runs its share of every minibatch (distributed.micro_batches) with the
-    whole minibatch's normalisers, so the step equals the one-process step.
-    """
-    rollouts = training_rows(policy, rollouts, args, returns)
-    N, has_ref = rollouts["group_ids"].shape[0], "ref_logprobs" in rollouts
-    models = [policy] + ([critic.model] if critic else [])
-    optimizers = [optimizer] + ([critic.optimizer] if critic else [])
-    generator = torch.Generator().manual_seed(args.seed)
-    minibatches = distributed.row_slices(N, args.minibatch_size)
-    steps, skipped, on_policy = [], 0, None
-    bar = tqdm(total=args.epochs * len(minibatches), desc="update", leave=False,
-               disable=None if distributed.is_main() else True)
-    with modeling.gradient_checkpointing(models, args.gradient_checkpointing):
-        for _ in range(args.epochs):
-            order = torch.randperm(N, generator=generator)                                    # [N]
-            for minibatch in minibatches:
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                sums, maxes, num_tokens = accumulate_gradients(policy, critic, rollouts, advantages,
-                                                               order[minibatch], args)
-                grad_norms = [clip_gradients(model, args.max_grad_norm) for model in models]
-                on_policy = on_policy or on_policy_check(sums, maxes)
-                bar.update(1)
-                if not all(map(math.isfinite, [*grad_norms, sums["loss"], sums["value_loss"]])):
-                    skipped = skip_step(optimizers, skipped, grad_norms, sums["loss"], args.max_bad_steps)
-                    continue
-                lr = optimizer_step(optimizers, args)
-                steps.append(step_metrics(sums, maxes, grad_norms, num_tokens, has_ref, lr))
-                bar.set_postfix(loss=f"{sums['loss']:.4f}")
-    bar.close()
-    metrics = {**mean_metrics(steps, len(models), has_ref), "optimizer_steps": len(steps),
-               "skipped_steps": skipped, **on_policy}
-    if critic:                           # how much of the returns' variance the sampled V_old explained
-        metrics["explained_variance"] = diagnostics.explained_variance(rollouts["values"], returns,
-                                                                       rollouts["completion_mask"])
-    warnings = [diagnostics.mismatch_warning(on_policy["logprob_diff_max"], on_policy["logprob_diff_mean"]),
-                diagnostics.clip_band_warning(on_policy["outside_clip_on_policy"], args.ratio_level)]
-    for warning in filter(None, warnings):
-        warn(warning)
-    return metrics
-
-
-def check_checkpoint_out(path):
-    """A checkpoint folder is replaced as a whole: refuse one that holds anything but a checkpoint."""
-    files.recover_dir(path)
-    if os.path.isfile(path):
-        raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
-    holds = os.path.isdir(path) and os.listdir(path)
-    if holds and not os.path.isfile(os.path.join(path, "config.json")):
-        shown = ", ".join(sorted(os.listdir(path))[:3])
-        raise StageError(f"--out {path}: holds files that are not a checkpoint ({shown}, ...); the "
-                         f"checkpoint replaces the whole folder, so choose a new or empty one")
-
+# ----------------------------------------------------------------------------------------
+# Reading and checking the inputs
 
 def load_inputs(args):
     """Rollouts and advantages, checked against each other before anything is computed or written.
@@ -492,11 +258,106 @@ def load_inputs(args):
     return rollouts, adv["advantages"], adv.get("returns")
 
 
+# ----------------------------------------------------------------------------------------
+# The command line
+
+def build_parser():
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder or Hub id)")
+    p.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
+    p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
+    p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
+                   help="lr by AdamW step: constant, or a linear or cosine decay to 0 at --total-steps")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over this many AdamW steps")
+    p.add_argument("--total-steps", type=int, default=None, help="AdamW steps it spans (train.py sets it)")
+    p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
+    p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
+    p.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
+    p.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
+                   help="how ℓ_t is averaged: seq, the mean of the sequences' token means (DeepSeekMath,\n"
+                        "default); token, Σ ℓ_t / token count (DAPO); dr_grpo, Σ ℓ_t / (N × L_max)")
+    p.add_argument("--dual-clip", type=float, default=None, metavar="C",
+                   help="C: for A < 0 cap the token loss at C·|A|, C > 1 (dual-clip PPO, Ye et al. 2020)")
+    p.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
+                   help="token: ρ_t per token (default); sequence: one ρ_i = exp(mean_t log ρ_t) per\n"
+                        "completion (GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
+    p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
+                   help="KL estimator in the loss, x = log π_ref − log π_θ (Schulman 2020): k1 = −x,\n"
+                        "whose expected gradient on-policy is 0 (noise only); k2 = x²/2, the gradient of\n"
+                        "KL(π_θ‖π_ref); k3 = eˣ − x − 1 (default), that of KL(π_ref‖π_θ). metrics: k3")
+    p.add_argument("--entropy-coef", type=float, default=0.0,
+                   help="c: add −c·H_t to ℓ_t (verl; default 0)")
+    p.add_argument("--mask-truncated", action="store_true",
+                   help="no loss on completions that reached L_max without EOS (DAPO's overlong filtering)")
+    p.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
+                   help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
+                        "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
+    p.add_argument("--critic", default=None, help="PPO: the critic V to train (from train.py --algo ppo)")
+    p.add_argument("--critic-out", default=None, help="PPO: output folder of the critic and its AdamW state")
+    p.add_argument("--critic-lr", type=float, default=None,
+                   help="the critic's AdamW lr (default 10 × --lr: its head starts from zero and must fit\n"
+                        "the returns within a few steps while the policy moves slowly; verl's defaults)")
+    p.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
+    p.add_argument("--value-clip", type=float, default=0.2,
+                   help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
+    p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
+    p.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each layer's activations in the backward pass instead of keeping them:\n"
+                        "less memory, about one more forward pass of time; the same numbers")
+    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each distinct prompt of a micro-batch once and let its completions attend to\n"
+                        "its keys and values (default); --no-prefix-sharing: each row's prompt its own\n"
+                        "(the reference path; the same numbers). Off under --gradient-checkpointing")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
+    p.add_argument("--max-bad-steps", type=int, default=5, help="non-finite steps skipped, at most (5)")
+    p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
+    p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
+    add_runtime_flags(p)
+    return p
+
+
+# What each setting may be, checked before anything is read or written (train.py's runs too).
+RULES = {"lr": above(0), "warmup_steps": at_least(0), "beta": at_least(0),
+         "clip_eps": between(0, 1, lo_open=True), "clip_eps_high": above(0), "dual_clip": above(1),
+         "entropy_coef": at_least(0), "critic_lr": above(0), "vf_coef": at_least(0), "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0),
+         "micro_batch_size": at_least(0), "max_grad_norm": above(0), "weight_decay": at_least(0),
+         "temperature": above(0), "max_new_tokens": at_least(1), "max_bad_steps": at_least(0),
+         "total_steps": at_least(1)}               # last: train.py derives it from the others
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    settings.check(args, RULES)
+    if args.clip_eps_high is None:
+        args.clip_eps_high = args.clip_eps
+    if args.lr_schedule != "constant" and not args.total_steps:
+        raise StageError(f"--lr-schedule {args.lr_schedule} decays to 0 at --total-steps, which is missing")
+    if (args.critic is None) != (args.critic_out is None):
+        raise StageError("--critic and --critic-out go together: the critic read and the critic written")
+    if args.critic_lr is None:
+        args.critic_lr = 10 * args.lr
+    if args.prefix_sharing and args.gradient_checkpointing:
+        warn_once("update: no prefix sharing under --gradient-checkpointing (transformers' checkpointed "
+                  "layers take no KV cache); each row computes its own prompt")
+        args.prefix_sharing = False
+    if args.old_logprobs is None:   # bf16 autocast on a GPU makes the sampler's and the update's differ
+        args.old_logprobs = "recompute" if distributed.pick_device(args.device).type == "cuda" else "sampler"
+    return args
+
+
 def main(argv=None):
     args = parse_args(argv)
-    check_checkpoint_out(args.out)
+    checkpoints.check_out_dir(args.out)
     if args.critic_out:
-        check_checkpoint_out(args.critic_out)
+        checkpoints.check_out_dir(args.critic_out)
     if args.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
     if args.kl_estimator == "k1" and args.beta != 0:
@@ -506,17 +367,13 @@ def main(argv=None):
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     policy = modeling.load_model(args.model, device, args.trust_remote_code)
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
-    state_file = os.path.join(modeling.model_dir(args.model), "optimizer.safetensors")
-    resume = os.path.isfile(state_file) and not args.fresh_optimizer
-    optimizer = checkpoints.adamw(policy, args.lr, args.weight_decay, state_file if resume else None)
+    optimizer = optim.adamw(policy, args.lr, args.weight_decay, optimizer_state(args.model, args))
     critic = None
     if args.critic:
         critic_model = modeling.load_critic(args.critic, device, args.trust_remote_code)
         critic_model = distributed.distribute(critic_model, args.fsdp)
-        state_file = os.path.join(modeling.model_dir(args.critic), "optimizer.safetensors")
-        resume = os.path.isfile(state_file) and not args.fresh_optimizer
-        critic = Critic(critic_model, checkpoints.adamw(critic_model, args.critic_lr, args.weight_decay,
-                                                        state_file if resume else None))
+        critic = optim.Critic(critic_model, optim.adamw(critic_model, args.critic_lr, args.weight_decay,
+                                                        optimizer_state(args.critic, args)))
 
     t0 = time.perf_counter()
     metrics = train_policy(policy, optimizer, rollouts, advantages, args, critic, returns)
@@ -526,6 +383,13 @@ def main(argv=None):
         checkpoints.save_policy(critic.model, tokenizer, critic.optimizer, metrics, args, args.critic_out)
     if distributed.is_main():
         print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}))
+
+
+def optimizer_state(model, args):
+    """The model folder's optimizer.safetensors, to continue AdamW from; None without one or with
+    --fresh-optimizer."""
+    path = os.path.join(modeling.model_dir(model), "optimizer.safetensors")
+    return path if os.path.isfile(path) and not args.fresh_optimizer else None
 
 
 if __name__ == "__main__":

@@ -75,6 +75,18 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_out_dir(path):
+    """A checkpoint folder is replaced as a whole: refuse one that holds anything but a checkpoint."""
+    files.recover_dir(path)
+    if os.path.isfile(path):
+        raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
+    holds = os.path.isdir(path) and os.listdir(path)
+    if holds and not os.path.isfile(os.path.join(path, "config.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:3])
+        raise StageError(f"--out {path}: holds files that are not a checkpoint ({shown}, ...); the "
+                         f"checkpoint replaces the whole folder, so choose a new or empty one")
+
+
 # ----------------------------------------------------------------------------------------
 # update.py's output: checkpoint, optimizer state and metrics as one folder
 
@@ -153,13 +165,16 @@ def checkpoint_writer(model, tokenizer, optimizer, metrics, args, extra_files=No
     gathers are collectives), and written later from the live tensors; None on ranks other than 0."""
     weights = checkpoint_tensors(model)
     state = optimizer_state_tensors(model, optimizer)
+    # What the optimizer used, beside the arguments it was given: lr, weight_decay, betas, eps.
+    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if not distributed.is_main():
         return None
     model = distributed.unwrap(model)
 
     def write(out_dir):
         save_checkpoint(model, tokenizer, out_dir, weights=weights, extra_files={
-            "optimizer.safetensors": lambda path: files.save_tensors(path, state, "optimizer/1", vars(args)),
+            "optimizer.safetensors": lambda path: files.save_tensors(path, state, "optimizer/1", vars(args),
+                                                                     param_groups=hyperparameters),
             "metrics.json": lambda path: files.write_json(path, metrics),
             **(extra_files or {}),
         })
@@ -195,7 +210,7 @@ def save_policy(policy, tokenizer, optimizer, metrics, args, out_dir, extra_file
 
 def restore(run_dir):
     """(iterations in the last save, bad steps so far) of run_dir, repairing what a kill may have left
-    and removing the iterations after the save, which the resumed run recomputes."""
+    (a checkpoint swap cut short, half-written copies)."""
     policy_dir = os.path.join(run_dir, "policy")
     files.recover_dir(policy_dir)                            # killed inside files.replace_dir
     for pattern in ("*.tmp*", os.path.join("checkpoints", "*.tmp*")):
@@ -203,17 +218,26 @@ def restore(run_dir):
             shutil.rmtree(path, ignore_errors=True)          # half-written copies of a killed run
     state_file = os.path.join(policy_dir, "train_state.json")
     state = files.read_json(state_file) if os.path.isfile(state_file) else {"iteration": 0, "bad_steps": 0}
-    for it_dir in glob.glob(os.path.join(run_dir, "iter_[0-9][0-9][0-9][0-9]")):
-        if int(it_dir[-4:]) >= state["iteration"]:
-            shutil.rmtree(it_dir)
     return state["iteration"], state["bad_steps"]
+
+
+def drop_iterations(run_dir, done):
+    """Remove the iterations after the last save (`done` iterations), which a resumed run recomputes."""
+    for it_dir in glob.glob(os.path.join(run_dir, "iter_[0-9][0-9][0-9][0-9]")):
+        if int(it_dir[-4:]) >= done:
+            shutil.rmtree(it_dir)
+
+
+def has_save(run_dir):
+    """Whether run_dir holds a resume point (policy/ with its train_state.json)."""
+    return os.path.isfile(os.path.join(run_dir, "policy", "train_state.json"))
 
 
 def save_resume_point(policy, tokenizer, optimizer, losses, update_args, run_dir, iterations_done, bad_steps,
                       saver, keep=False, critic=None):
     """policy/: what update.py writes, and train_state.json, the resume point, written by `saver` in the
     background (the next iterations run while the files go to disk; policy/ is replaced only once they
-    are all there). PPO's critic (update.Critic) goes into policy/critic/ in the same unit. With
+    are all there). PPO's critic (optim.Critic) goes into policy/critic/ in the same unit. With
     `keep`, the same job then links it into checkpoints/ for replay."""
     state = {"iteration": iterations_done, "bad_steps": bad_steps}
     extra_files = {"train_state.json": lambda path: files.write_json(path, state)}
@@ -290,20 +314,33 @@ def write_replay(it_dir, i, commands):
             f.write("\n".join(lines) + "\n")
 
 
-def log_iteration(writer, bar, it_dir, i, metrics, samples, rewards, group_size):
+def log_iteration(writer, bar, it_dir, i, metrics, samples, group_size):
     """iter_XXXX/metrics.json (written last: the iteration is complete), TensorBoard (every namespaced
-    number, and the first completion of up to four groups as text) and the progress line."""
+    number, and up to four groups' completions with their rewards as text) and the progress line."""
     files.write_json(os.path.join(it_dir, "metrics.json"), metrics)
     log_scalars(writer, metrics, i)
-    shown = [f"**reward {r:.3f}** · {s['prompt'][-60:]!r} → {s['completion']!r}"
-             for s, r in list(zip(samples, rewards.tolist()))[::group_size][:4]]
-    writer.add_text("samples", "\n\n".join(shown), i)
+    writer.add_text("samples", samples_text(samples, group_size), i)
     reward, kl = metrics["charts/reward_mean"], metrics["losses/kl"] or 0.0
     bar.set_postfix(reward=f"{reward:.3f}", kl=f"{kl:.4f}")
-    held_out = f"  held-out {metrics['eval/reward_mean']:.3f}" if "eval/reward_mean" in metrics else ""
+    held_out = f"  held-out {metrics['eval/reward_mean'] or 0:.3f}" if "eval/reward_mean" in metrics else ""
     tqdm.write(f"iter {i:4d}  reward {reward:.3f}  frac_zero_std {metrics['charts/frac_zero_std']:.2f}  "
                f"kl {kl:.4f}  len {metrics['charts/completion_len']:.1f}  "
                f"{metrics['perf/iteration_s']:.1f}s{held_out}")
+
+
+def samples_text(samples, group_size, groups=4):
+    """TensorBoard's text for the first `groups` groups of samples.jsonl's rows (with their rewards):
+    what the user asked (the last user turn of a chat, not the template around it) and each
+    completion with its reward."""
+    blocks = []
+    for row in samples[::group_size][:groups]:
+        turns = [m["content"] for m in row.get("messages") or [] if m.get("role") == "user"]
+        asked = turns[-1] if turns else row["prompt"][-300:]
+        rewards = {id(s): "skipped" if s["reward"] is None else format(s["reward"], ".3f") for s in samples}
+        lines = [f"**{asked!r}**"] + [f"- reward {rewards[id(s)]}: {s['completion']!r}"
+                                      for s in samples if s["group"] == row["group"]]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def log_scalars(writer, metrics, step):

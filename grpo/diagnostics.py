@@ -2,7 +2,7 @@
 
 Each function takes the tensors an iteration already has and returns plain floats, so that
 train.py logs them (iteration_metrics names them for TensorBoard and iter_XXXX/metrics.json) and
-a test can feed them a hand-made batch. README "Diagnostics" says what each means and what to do.
+a test can feed them a hand-made batch. docs/runs-and-metrics.md says what each means and what to do.
 
 - reward_spread:            is there any signal? within-group reward std, fraction of groups with none
 - length_stats:             does the reward prefer length? within-group correlation of length and reward
@@ -75,7 +75,7 @@ def reward_spread(rewards, group_size, skipped=None):
 
 
 def iteration_metrics(rollouts, rewards, components, skipped, completions, group_size):
-    """The charts/, diag/ and diversity/ numbers of one iteration's batch (README: Metrics)."""
+    """The charts/, diag/ and diversity/ numbers of one iteration's batch (docs/runs-and-metrics.md)."""
     lengths = rollouts["completion_mask"].sum(-1)                           # [N]
     spread = reward_spread(rewards, group_size, skipped)
     lengths_vs_reward = length_stats(lengths, rewards, group_size, skipped)
@@ -93,6 +93,19 @@ def iteration_metrics(rollouts, rewards, components, skipped, completions, group
         **{f"diversity/{k}": v for k, v in diversity(
             rollouts["completion_ids"], rollouts["completion_mask"], completions).items()},
     }
+
+
+# update.py's metrics.json keys that train.py logs outside losses/: the on-policy check (diag/) and how
+# well PPO's critic explains the returns (charts/).
+ON_POLICY_KEYS = ("logprob_diff_max", "logprob_diff_mean", "outside_clip_on_policy", "skipped_steps")
+CHART_KEYS = ("explained_variance",)
+
+
+def update_metrics(losses):
+    """update.py's metrics.json as train.py logs it: diag/KEY for the on-policy check and the skipped
+    steps, charts/explained_variance, losses/KEY for everything else."""
+    return {(f"diag/{k}" if k in ON_POLICY_KEYS else f"charts/{k}" if k in CHART_KEYS else f"losses/{k}"): v
+            for k, v in losses.items()}
 
 
 def spread_report(spread, group_size):
@@ -164,6 +177,13 @@ def collapse_flags(metrics, previous):
         flags[f"diversity/{key}_rise"] = float(now[key] > before[key] + COLLAPSE_RISE)
     flags["diversity/collapse"] = float(any(flags.values()))
     return flags
+
+
+def collapse_warning(flags, i):
+    """The warning for iteration i's collapse_flags."""
+    jumped = ", ".join(k[10:] for k, v in flags.items() if v and k != "diversity/collapse")
+    return (f"WARNING: iteration {i}: diversity jumped ({jumped}): the policy may be collapsing onto one "
+            f"pattern; read iter_{i:04d}/samples.jsonl")
 
 
 def batch_report(rollouts, rewards, completions, group_size):

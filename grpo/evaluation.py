@@ -6,30 +6,47 @@ train.py writes them side by side to eval/iter_XXXX.jsonl and logs the rewards u
 import os
 
 import torch
-from transformers import GenerationConfig
+from tqdm import tqdm
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from grpo import files, modeling
+from grpo import distributed, files, modeling
 from grpo.distributed import row_slices
 
 
+class Progress(StoppingCriteria):
+    """A progress bar for generate, one tick per decoding step (it never stops generation itself)."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.bar.update(1)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.inference_mode()
-def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch_size=0):
+def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch_size=0, desc="eval"):
     """Greedy completions of the prompt records and their rewards: (texts, completions, rewards [n],
-    lengths [n]). transformers' generate does the decoding, `micro_batch_size` rows at a time (0: all):
-    no log-probs are needed here, and the explicit config keeps a model's own generation settings
-    (sampling, penalties) out of it. `score(rows, rollouts)` returns one reward per row, as score.py
-    would."""
+    skipped [n], lengths [n]). transformers' generate does the decoding, `micro_batch_size` rows at a
+    time (0: all), under a progress bar: no log-probs are needed here, and the explicit config keeps a
+    model's own generation settings (sampling, penalties) out of it. `score(rows, rollouts)` returns
+    (rewards [n], components, skipped [n]) as score.score does for training, with its weights and
+    --on-reward-error."""
     device = next(model.parameters()).device
     texts, token_lists = modeling.render_prompts(records, tokenizer, "held-out prompts", None)
     prompt_ids, prompt_mask = modeling.left_pad(token_lists, tokenizer.pad_token_id)        # [n, P]
     eos = modeling.eos_token_ids(tokenizer, model)
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                               pad_token_id=tokenizer.pad_token_id)
-    pieces = []
-    for rows in row_slices(len(records), micro_batch_size):
-        out = model.generate(input_ids=prompt_ids[rows].to(device),
-                             attention_mask=prompt_mask[rows].long().to(device), generation_config=config)
-        pieces.append(out[:, prompt_ids.shape[1]:].cpu())                                  # [m, T_m]
+    pieces, slices = [], row_slices(len(records), micro_batch_size)
+    with tqdm(total=len(slices) * max_new_tokens, desc=desc, unit="step", leave=False,
+              disable=None if distributed.is_main() else True) as bar:
+        for k, rows in enumerate(slices):
+            out = model.generate(input_ids=prompt_ids[rows].to(device),
+                                 attention_mask=prompt_mask[rows].long().to(device), generation_config=config,
+                                 stopping_criteria=StoppingCriteriaList([Progress(bar)]))
+            pieces.append(out[:, prompt_ids.shape[1]:].cpu())                              # [m, T_m]
+            bar.update((k + 1) * max_new_tokens - bar.n)                     # a slice that stopped early
     # A slice stops early only when each of its rows has its EOS: the padding lies after every EOS.
     width = max(p.shape[1] for p in pieces)
     ids = torch.cat([modeling.pad_columns(p, width, tokenizer.pad_token_id) for p in pieces])    # [n, T]
@@ -38,7 +55,8 @@ def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch
     completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(records))]
     rows = [modeling.sample_row(record, b, texts[b], completions[b]) for b, record in enumerate(records)]
     rollouts = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
-    return texts, completions, score(rows, rollouts), mask.sum(-1).float()
+    rewards, _, skipped = score(rows, rollouts)
+    return texts, completions, rewards, skipped, mask.sum(-1).float()
 
 
 class HeldOut:
@@ -56,22 +74,27 @@ class HeldOut:
     def __call__(self, policy, ref_model, ref_dir, step):
         """Writes eval/iter_{step}.jsonl and returns the eval/ metrics."""
         answers = greedy_answers(policy, self.tokenizer, self.records, self.score, self.max_new_tokens,
-                                 self.micro_batch_size)
+                                 self.micro_batch_size, desc=f"eval {step}")
         if self.reference is None and ref_model is None and step == 0:
             self.reference = answers
         elif self.reference is None:
             device = next(policy.parameters()).device
             ref_model = ref_model or modeling.load_model(ref_dir, device, self.trust_remote_code)
             self.reference = greedy_answers(ref_model, self.tokenizer, self.records, self.score,
-                                            self.max_new_tokens, self.micro_batch_size)
-        texts, completions, rewards, lengths = answers
-        _, ref_completions, ref_rewards, ref_lengths = self.reference
+                                            self.max_new_tokens, self.micro_batch_size, desc="eval π_ref")
+        texts, completions, rewards, skipped, lengths = answers
+        _, ref_completions, ref_rewards, ref_skipped, ref_lengths = self.reference
         rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b],
-                 "reward": rewards[b].item(), "ref_completion": ref_completions[b],
-                 "ref_reward": ref_rewards[b].item()} for b, record in enumerate(self.records)]
+                 "reward": None if skipped[b] else rewards[b].item(), "ref_completion": ref_completions[b],
+                 "ref_reward": None if ref_skipped[b] else ref_rewards[b].item()}
+                for b, record in enumerate(self.records)]
         os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
         files.write_jsonl(os.path.join(self.run_dir, "eval", f"iter_{step:04d}.jsonl"), rows)
-        return {"eval/reward_mean": rewards.mean().item(), "eval/ref_reward_mean": ref_rewards.mean().item(),
+        # Rows no reward applied to (or skipped by --on-reward-error skip) are left out, as in training.
+        return {"eval/reward_mean": None if skipped.all() else rewards[~skipped].mean().item(),
+                "eval/ref_reward_mean": None if ref_skipped.all() else
+                ref_rewards[~ref_skipped].mean().item(),
+                "eval/skipped_rewards": int(skipped.sum()),
                 "eval/completion_len": lengths.mean().item(),
                 "eval/ref_completion_len": ref_lengths.mean().item(),
                 "eval/same_as_ref": sum(c == r for c, r in zip(completions, ref_completions)) / len(rows),

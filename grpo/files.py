@@ -2,7 +2,7 @@
 
 Every file is written to a temporary name beside its path, fsynced and renamed, so a file that
 exists is complete; folders are swapped with two renames that the next reader undoes if a kill
-fell between them. FORMATS.md describes every key.
+fell between them. docs/formats.md describes every key.
 """
 
 import json
@@ -45,10 +45,11 @@ ADVANTAGES = ("advantages/1", {
 _DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
 
 
-def save_tensors(path, tensors, schema, args):
-    """Write `tensors` with metadata {"schema", "args"} through safetensors' own writer; the file
-    appears complete or not at all."""
-    metadata = {"schema": schema, "args": json.dumps(args, sort_keys=True, default=str)}
+def save_tensors(path, tensors, schema, args, **metadata):
+    """Write `tensors` with metadata {"schema", "args", and any other entries, as JSON} through
+    safetensors' own writer; the file appears complete or not at all."""
+    metadata = {"schema": schema, **{k: json.dumps(v, sort_keys=True, default=str)
+                                     for k, v in {"args": args, **metadata}.items()}}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_path(path) as tmp:
         save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, tmp, metadata)
@@ -102,6 +103,54 @@ def load_tensors(path, spec):
             bad = torch.nonzero(~torch.isfinite(t).reshape(t.shape[0], -1).all(-1)).flatten()
             raise StageError(f"{path}: '{key}' is NaN or infinite in rows {format_rows(bad)}")
     return tensors, args, dims
+
+
+# GAE reads only these keys of the rollouts (values and the log-probs are checked where they are needed).
+ROLLOUTS_FOR_GAE = (ROLLOUTS[0], {k: (kind, shapes, k in ("completion_mask", "group_ids"))
+                                        for k, (kind, shapes, _) in ROLLOUTS[1].items()})
+
+
+def load_gae_rollouts(rollouts_file, rewards_file, data, kl_in_reward=0.0):
+    """The tensors of a rollouts file that advantage.py's GAE reads, checked against the rewards file's
+    `data`: same rows, same groups,
+    a completion mask that is a prefix of each row, values present and 0 where the mask is false, and
+    both log-probs with --kl-in-reward."""
+    rollouts, _, dims = load_tensors(rollouts_file, ROLLOUTS_FOR_GAE)
+    if dims["N"] != data["rewards"].numel() or not torch.equal(rollouts["group_ids"], data["group_ids"]):
+        raise StageError(f"{rewards_file}: its rows (N = {data['rewards'].numel()}) and group_ids differ "
+                         f"from those of {rollouts_file} (N = {dims['N']})")
+    if "values" not in rollouts:
+        raise StageError(f"{rollouts_file}: no 'values' for --estimator gae; sample with --critic DIR")
+    missing = [k for k in ("old_logprobs", "ref_logprobs") if k not in rollouts]
+    if kl_in_reward != 0 and missing:
+        raise StageError(f"{rollouts_file}: --kl-in-reward needs '{missing[0]}'"
+                         f"{'; sample with --ref-model' if missing[0] == 'ref_logprobs' else ''}")
+    mask = rollouts["completion_mask"]                                      # [N, T]
+    prefix = torch.arange(mask.shape[1]) < mask.sum(-1, keepdim=True)       # [N, T]
+    if not torch.equal(mask, prefix) or not mask[:, 0].all():
+        bad = torch.nonzero((mask != prefix).any(-1) | ~mask[:, 0]).flatten()
+        raise StageError(f"{rollouts_file}: completion_mask of rows {format_rows(bad)} is not a run of "
+                         f"true from the first token (GAE needs each completion's tokens in order)")
+    outside = torch.nonzero(((rollouts["values"] != 0) & ~mask).any(-1)).flatten()
+    if len(outside):
+        raise StageError(f"{rollouts_file}: 'values' is non-zero where completion_mask is false in rows "
+                         f"{format_rows(outside)}; the values and the mask do not belong together")
+    return rollouts
+
+
+def group_shape(group_ids, path):
+    """(B, G) of a file's group_ids [N], checked: each group's rows contiguous, all groups of one size."""
+    n = group_ids.numel()
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = group_ids[1:] != group_ids[:-1]
+    run_ids = group_ids[starts]                                   # [B] one id per contiguous run
+    if run_ids.unique().numel() != run_ids.numel():
+        raise StageError(f"{path}: 'group_ids' are not contiguous (a group's rows must be adjacent)")
+    sizes = torch.diff(torch.nonzero(starts).flatten(), append=torch.tensor([n]))
+    if (sizes != sizes[0]).any():
+        raise StageError(f"{path}: groups have unequal sizes {sorted(set(sizes.tolist()))}; "
+                         f"every group needs G rows")
+    return run_ids.numel(), int(sizes[0])
 
 
 def _bind(shape, actual, dims):
@@ -207,11 +256,12 @@ def read_json(path):
         raise StageError(f"{path}: not a readable JSON file ({e})") from None
 
 
-def read_jsonl(path):
-    """Records of a JSON-lines file; blank lines are skipped, anything else must be a JSON object."""
+def read_jsonl(path, with_lines=False):
+    """Records of a JSON-lines file; blank lines are skipped, anything else must be a JSON object.
+    With `with_lines`, also the line number (from 1) of each record."""
     if not os.path.isfile(path):
         raise StageError(f"{path}: no such file")
-    records = []
+    records, lines = [], []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -224,6 +274,7 @@ def read_jsonl(path):
                 kind = type(record).__name__
                 raise StageError(f"{path}, line {lineno}: expected a JSON object, got {kind}")
             records.append(record)
+            lines.append(lineno)
     if not records:
         raise StageError(f"{path}: the file holds no records")
-    return records
+    return (records, lines) if with_lines else records

@@ -176,43 +176,61 @@ def chat_of(record):
     return record["prompt"] if isinstance(record.get("prompt"), list) else None
 
 
+# samples.jsonl's columns that the stages write (train.py adds the last three once an iteration is
+# complete): a prompt record's field of one of these names does not travel.
+ROW_COLUMNS = ("group", "prompt", "completion", "messages", "reward", "rewards", "advantage")
+
+
 def sample_row(record, group, text, completion):
     """One row of samples.jsonl: the group, the text the model saw, the completion, every other field of
     the record, and a chat prompt's turns as "messages" in either style (score.py passes them to reward
     functions as TRL's conversational `prompts`)."""
     chat = chat_of(record)
-    fields = {k: v for k, v in record.items() if k not in ("group", "prompt", "completion", "messages")}
+    fields = {k: v for k, v in record.items() if k not in ROW_COLUMNS}
     return {"group": group, "prompt": text, "completion": completion, **fields,
             **({"messages": chat} if chat is not None else {})}
 
 
-def render_prompts(records, tokenizer, path, max_len, first_index=0):
-    """The text the model sees and its token ids, one per prompt record.
+def check_prompt_record(record, where):
+    """A prompt record has "prompt" (a string, or chat turns) or "messages" (chat turns), a chat being a
+    non-empty list of {"role": str, "content": str}; `where` names it in the error."""
+    chat = chat_of(record)
+    key = "messages" if "messages" in record else "prompt"
+    if chat is None and not isinstance(record.get("prompt"), str):
+        raise StageError(f"{where}: needs 'prompt' (a string or a list of chat turns) or 'messages' "
+                         f"(a list of chat turns)")
+    if chat is not None and not (isinstance(chat, list) and chat and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in chat)):
+        raise StageError(f"{where}: '{key}' must be a non-empty list of {{\"role\": str, \"content\": str}} "
+                         f"objects")
+
+
+def render_prompts(records, tokenizer, path, max_len, lines=None):
+    """The text the model sees and its token ids, one per prompt record (from `path`, where record i is
+    on line lines[i], or i + 1 without `lines`).
 
     "messages", or "prompt" as a list of chat turns (TRL's conversational format), is rendered with
     the tokenizer's chat template and the generation prompt, and already holds the special tokens;
     a "prompt" string gets the tokenizer's own (BOS, if any).
     """
     texts, ids = [], []
-    for i, record in enumerate(records, first_index):
-        where = f"{path}, record {i}"
+    replaced = sorted({k for r in records for k in r} & set(ROW_COLUMNS) - {"prompt", "messages"})
+    if replaced:
+        warn_once(f"{path}: the records' {', '.join(map(repr, replaced))} do not travel to samples.jsonl, "
+                  f"whose columns of that name the stages write (reward functions never see them)")
+    for i, record in enumerate(records):
+        where = f"{path}, line {lines[i] if lines else i + 1}"
+        check_prompt_record(record, where)
         chat = chat_of(record)
-        key = "messages" if "messages" in record else "prompt"
         if chat is not None:
-            if not (isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(
-                    m.get("role"), str) and isinstance(m.get("content"), str) for m in chat)):
-                raise StageError(f"{where}: '{key}' must be a non-empty list of "
-                                 f'{{"role": str, "content": str}} objects')
             if tokenizer.chat_template is None:
-                raise StageError(f"{where}: has '{key}' as chat turns but the tokenizer has no chat template")
+                raise StageError(f"{where}: has chat turns but the tokenizer has no chat template")
             text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(record.get("prompt"), str):
+        else:
             text = record["prompt"]
             tokens = tokenizer(text)["input_ids"]
-        else:
-            raise StageError(f"{where}: needs 'prompt' (a string or a list of chat turns) or 'messages' "
-                             f"(a list of chat turns)")
         if not tokens:
             raise StageError(f"{where}: the prompt is empty")
         if max_len is not None and len(tokens) > max_len:

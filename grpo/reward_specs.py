@@ -16,6 +16,7 @@ folder or Hub id holding a Hugging Face sequence-classification reward model wit
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -26,6 +27,39 @@ from grpo.cli import StageError
 
 # Built-in rewards by the name --reward takes: the rule rewards of the built-in tasks, and `math`.
 BUILT_IN = {**tasks.REWARDS, "math": math_reward.math}
+
+
+# The stages' outputs among samples.jsonl's columns, which never reach a reward function as fields.
+STAGE_OUTPUTS = ("reward", "rewards", "advantage")
+
+
+def row_fields(records):
+    """The fields score.py passes a reward function for rows of these prompt records: each record's own
+    (but the prompt and the stages' outputs), the row's group and completion ids, and a chat prompt's
+    turns as `messages`."""
+    chat = any(modeling.chat_of(r) is not None for r in records)
+    own = {k for r in records for k in r} - {"prompt", "completion", *STAGE_OUTPUTS}
+    return own | {"group", "completion_ids"} | ({"messages"} if chat else set())
+
+
+def check_fields(reward_fns, records, source):
+    """Stop before any sampling when a reward function takes a field (a parameter without a default,
+    other than prompts and completions) that no record of `source` has (no records: nothing to check)."""
+    if not records:
+        return
+    have = row_fields(records)
+    for name, fn in reward_fns:
+        try:
+            parameters = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):             # a builtin or C function: nothing to read
+            continue
+        needed = [p.name for p in parameters if p.default is p.empty and p.kind in (
+                  p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("prompts", "completions")]
+        missing = [field for field in needed if field not in have]
+        if missing:
+            raise StageError(f"reward {name!r} takes the field {missing[0]!r}, which no record of {source} "
+                             f"has (the rows' fields: {', '.join(sorted(have))}); add it to the records or "
+                             f"choose another --reward")
 
 
 def load_reward(spec, device, micro_batch_size, trust_remote_code=False):

@@ -28,6 +28,9 @@ import random
 import re
 import string
 
+from grpo import files, modeling
+from grpo.cli import StageError
+
 # A number, with thousands separators ("1,234") or without; linear time on any text.
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
@@ -130,3 +133,43 @@ def make_task(name, seed):
     build, rewards = TASKS[name]
     train, held_out = build(seed)
     return train, held_out, rewards
+
+
+def read_prompt_file(path):
+    """The records of a prompt file (train.py's --prompts or --eval-prompts-file), each checked for what
+    sample.py reads, and the line of each."""
+    records, lines = files.read_jsonl(path, with_lines=True)
+    for record, line in zip(records, lines):
+        modeling.check_prompt_record(record, f"{path}, line {line}")
+    return records, lines
+
+
+def run_records(task, seed, prompts="", eval_prompts_file="", eval_prompts=0):
+    """A run's training and held-out records, and where each comes from: the task's, or those of the
+    prompt files given in their place. With --prompts and no --eval-prompts-file, `eval_prompts`
+    records of --prompts, a seeded choice, are held out and not trained on (none with 0).
+
+    Returns (train, held_out, where): where["train"] and where["held_out"] are (file, line of each
+    record) for messages (the task's name and None for a task's records), and where["held_out_lines"]
+    the lines of --prompts held out. Read before the run folder exists: a bad file stops the run with
+    nothing written."""
+    train, held_out, _ = make_task(task, seed)
+    where = {"train": (f"task {task}", None), "held_out": (f"task {task}", None), "held_out_lines": None}
+    if prompts:
+        train, lines = read_prompt_file(prompts)
+        where["train"] = (prompts, lines)
+        if not eval_prompts_file and eval_prompts:
+            if eval_prompts >= len(train):
+                raise StageError(f"--prompts {prompts}: holding out --eval-prompts {eval_prompts} of its "
+                                 f"{len(train)} records for evaluation would leave none to train on; pass "
+                                 f"--eval-prompts-file FILE, a smaller --eval-prompts, or --eval-every 0")
+            chosen = set(random.Random(f"{seed}/held-out").sample(range(len(train)), eval_prompts))
+            held_out = [r for i, r in enumerate(train) if i in chosen]
+            where["held_out"] = (prompts, [line for i, line in enumerate(lines) if i in chosen])
+            where["held_out_lines"] = where["held_out"][1]
+            train = [r for i, r in enumerate(train) if i not in chosen]
+            where["train"] = (prompts, [line for i, line in enumerate(lines) if i not in chosen])
+    if eval_prompts_file:
+        held_out, lines = read_prompt_file(eval_prompts_file)
+        where["held_out"] = (eval_prompts_file, lines)
+    return train, held_out, where

@@ -1,4 +1,4 @@
-"""advantage.py: hand-computed vectors, invariants, and the conventions of FORMATS.md."""
+"""advantage.py: hand-computed vectors, invariants, and the conventions of docs/formats.md."""
 
 import math
 import os

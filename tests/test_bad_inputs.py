@@ -1,4 +1,4 @@
-"""README's table of bad inputs, case by case through each stage's command line: a one-line error
+"""docs/bad-input-and-faults.md's table of bad inputs, case by case through each stage's command line: a one-line error
 naming the file, key, line or flag, a non-zero exit, no traceback, and no output left behind."""
 
 import json
@@ -96,9 +96,9 @@ CASES = {
     ("sample", "line not JSON"): (lambda f: ["--prompts", prompts(f, "broken.jsonl", '{"prompt": "a"}\n{oops\n')],
                                   ["broken.jsonl", "line 2", "not valid JSON"]),
     ("sample", "record without prompt"): (lambda f: ["--prompts", prompts(f, "neither.jsonl", '{"prompt": "a"}\n{"text": "b"}\n')],
-                                          ["neither.jsonl", "record 1", "'prompt'", "'messages'"]),
+                                          ["neither.jsonl", "line 2", "'prompt'", "'messages'"]),
     ("sample", "prompt too long"): (lambda f: ["--prompts", prompts(f, "long.jsonl", json.dumps({"prompt": "x" * 600}) + "\n")],
-                                    ["long.jsonl", "record 0", "at most"]),
+                                    ["long.jsonl", "line 1", "at most"]),
     ("sample", "model folder missing"): (lambda f: ["--model", f["dir"] / "nomodel"], ["nomodel", "no such model folder"]),
     ("sample", "folder holds no model"): (lambda f: ["--model", f["no_weights"]], ["no_weights", "cannot load"]),
     ("sample", "bad flag"): (lambda f: ["--group-size", 0], ["--group-size"]),

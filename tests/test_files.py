@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import update
-from grpo import builders, checkpoints, files, modeling
+from grpo import builders, checkpoints, files, modeling, optim
 from grpo.cli import StageError
 
 
@@ -52,7 +52,7 @@ def test_background_save_writes_what_a_plain_save_writes(tmp_path, models):
     (That training waits for it before changing the weights is tests/test_train.py's.)"""
     model = modeling.load_model(models["policy"], "cpu")
     tok = modeling.load_tokenizer(models["policy"])
-    optimizer = checkpoints.adamw(model, 1e-3)
+    optimizer = optim.adamw(model, 1e-3)
     model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
     optimizer.step()
     args = update.parse_args(["--model", "m", "--rollouts", "r", "--advantages", "a", "--out", "o"])

@@ -14,7 +14,7 @@ from test_update import hand_batch, rollouts_of, run_update
 from test_variants import BETA, K3, hand_files  # noqa: F401  (a fixture)
 
 import update
-from grpo import files
+from grpo import files, optim
 
 
 def update_args(*flags):
@@ -69,7 +69,7 @@ def test_an_update_with_beta_zero_and_a_far_reference_takes_its_steps(models, ro
 
 def test_k1_in_the_loss_is_warned_about(models, hand_files, tmp_path):  # noqa: F811
     r = cli("update.py", "--model", models["policy"], "--rollouts", hand_files / "rollouts.safetensors",
-            "--advantages", hand_files / "advantages.safetensors", "--out", tmp_path / "o", "--lr", 0,
+            "--advantages", hand_files / "advantages.safetensors", "--out", tmp_path / "o",
             "--kl-estimator", "k1")
     assert r.code == 0 and "k1 in the loss: its expected gradient on-policy is 0" in r.err
 
@@ -87,7 +87,7 @@ def hand_update(models, hand_files, tmp_path, *flags, truncated=None):  # noqa: 
                                                           "args": json.dumps({"temperature": 1.0})})
     out = tmp_path / "out"
     r = cli("update.py", "--model", models["policy"], "--rollouts", rollouts_file, "--advantages",
-            hand_files / "advantages.safetensors", "--out", out, "--lr", 0, "--beta", BETA, *flags)
+            hand_files / "advantages.safetensors", "--out", out, "--beta", BETA, *flags)
     assert r.code == 0, r.err
     return json.loads((out / "metrics.json").read_text())
 
@@ -143,7 +143,7 @@ def test_a_rounding_mismatch_outside_gspos_band_is_warned_and_recompute_removes_
               str(tmp_path / "advantages.safetensors"))
     flags = ["--model", models["policy"], "--rollouts", tmp_path / "rollouts.safetensors", "--advantages",
              tmp_path / "advantages.safetensors", "--ratio-level", "sequence", "--clip-eps", 3e-4,
-             "--clip-eps-high", 4e-4, "--lr", 0]
+             "--clip-eps-high", 4e-4]
     r = cli("update.py", *flags, "--out", tmp_path / "a")
     m = json.loads((tmp_path / "a" / "metrics.json").read_text())
     assert r.code == 0 and "--old-logprobs recompute" in r.err, r.err
@@ -186,11 +186,11 @@ def test_scale_group_batch_none(tmp_path):
 
 def test_schedule_hand_values():
     cosine = update_args("--lr", 1.0, "--lr-schedule", "cosine", "--warmup-steps", 2, "--total-steps", 6)
-    assert [update.scheduled_lr(cosine, s) for s in range(6)] == pytest.approx(
+    assert [optim.scheduled_lr(cosine, s) for s in range(6)] == pytest.approx(
         [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
     linear = update_args("--lr", 1.0, "--lr-schedule", "linear", "--total-steps", 4)
-    assert [update.scheduled_lr(linear, s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
-    assert update.scheduled_lr(update_args("--lr", 0.3), 99) == 0.3
+    assert [optim.scheduled_lr(linear, s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert optim.scheduled_lr(update_args("--lr", 0.3), 99) == 0.3
     with pytest.raises(Exception, match="--total-steps"):
         update_args("--lr-schedule", "linear")
 

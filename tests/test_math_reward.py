@@ -1,7 +1,6 @@
 """The built-in `math` reward: answer extraction, GSM8K and MATH references, math-verify's verdicts,
 and model text written to hurt (every such row scores 0 within a second and runs nothing)."""
 
-import os
 import time
 
 import pytest

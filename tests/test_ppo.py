@@ -307,7 +307,7 @@ def test_tiny_ppo_learns(ppo_run):
     m = metrics_of(ppo_run, 30)
     rewards = [x["charts/reward_mean"] for x in m]
     # char_class rewards lie in [0, 1]; GRPO's test asks for +0.25, PPO's critic starts at V = 0 and is
-    # poor for its first iterations (see the README), so it is asked for +0.15.
+    # poor for its first iterations (docs/ppo.md), so it is asked for +0.15.
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 >= 0.15, rewards
     before = [json.loads(line)["reward"] for line in open(ppo_run / "eval" / "iter_0000.jsonl")]
     after = [json.loads(line)["reward"] for line in open(ppo_run / "eval" / "iter_0030.jsonl")]

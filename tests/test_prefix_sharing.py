@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 
 import sample
 import update
-from grpo import builders, files, modeling
+from grpo import builders, files, modeling, optim
 
-CLIP_GRADIENTS = update.clip_gradients
+CLIP_GRADIENTS = optim.clip_gradients
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +82,10 @@ def recorded_steps(policy, rollouts, advantages, argv, critic=None, returns=None
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         return CLIP_GRADIENTS(model, max_norm)
 
-    monkeypatch.setattr(update, "clip_gradients", record)
+    monkeypatch.setattr(optim, "clip_gradients", record)
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
     if critic is not None:
-        critic = update.Critic(critic, torch.optim.SGD(critic.parameters(), lr=args.critic_lr))
+        critic = optim.Critic(critic, torch.optim.SGD(critic.parameters(), lr=args.critic_lr))
     metrics = update.train_policy(policy, optimizer, rollouts, advantages, args, critic, returns)
     return grads, metrics
 

@@ -202,10 +202,10 @@ def test_held_out_answers_do_not_depend_on_the_micro_batch(models):
 
     def score(rows, rollouts):
         lengths_seen.append(rollouts["completion_ids"].shape[1])
-        return rollouts["completion_mask"].sum(-1).float()
+        return rollouts["completion_mask"].sum(-1).float(), {}, torch.zeros(len(rows), dtype=torch.bool)
     whole = evaluation.greedy_answers(model, tok, records, score, 12)
     passes = evaluation.greedy_answers(model, tok, records, score, 12, micro_batch_size=3)
-    assert whole[1] == passes[1] and torch.equal(whole[2], passes[2]) and torch.equal(whole[3], passes[3])
+    assert whole[1] == passes[1] and torch.equal(whole[2], passes[2]) and torch.equal(whole[4], passes[4])
     assert lengths_seen[0] == lengths_seen[1]
 
 
@@ -226,7 +226,7 @@ def test_prompt_files_replace_the_tasks_records(tmp_path):
     assert [row["held"] for row in held] == [0, 1, 2] and all("digits:" in row["prompt"] for row in held)
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}, {"question": "no prompt"}])
     r = cli("train.py", "--config", "tiny", "--run-dir", tmp_path / "b", "--prompts", bad)
-    assert_user_error(r, str(bad), "record 1", "'prompt'")
+    assert_user_error(r, str(bad), "line 2", "'prompt'")
     assert not (tmp_path / "b").exists()
 
 

@@ -11,7 +11,7 @@ from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from grpo import checkpoints, files, modeling
+from grpo import files, modeling, optim
 import update
 
 LN2 = math.log(2.0)
@@ -98,7 +98,7 @@ def run_update(model_dir, rollouts, advantages, **flags):
         argv += ["--" + name.replace("_", "-"), str(value)]
     args = update.parse_args(argv)
     policy = modeling.load_model(model_dir, "cpu")
-    optimizer = checkpoints.adamw(policy, args.lr)
+    optimizer = optim.adamw(policy, args.lr)
     return policy, update.train_policy(policy, optimizer, rollouts, advantages, args)
 
 
@@ -275,7 +275,7 @@ def test_gradient_checkpointing_recomputes_and_takes_the_same_step(models, rollo
                                  + ["--gradient-checkpointing"] * on)
         args.temperature = 0.7
         policy = counting_load(models["policy"], "cpu")
-        metrics = update.train_policy(policy, checkpoints.adamw(policy, args.lr), rollouts, adv, args)
+        metrics = update.train_policy(policy, optim.adamw(policy, args.lr), rollouts, adv, args)
         results[on] = (policy, metrics, len(calls))
     (plain, m0, n0), (checkpointed, m1, n1) = results[False], results[True]
     assert n1 == 2 * n0 > 0

@@ -75,7 +75,7 @@ def test_update_variant_hand_vector(models, hand_files, tmp_path, case):
     flags, expected = CASES[case]
     out = tmp_path / "out"
     r = cli("update.py", "--model", models["policy"], "--rollouts", hand_files / "rollouts.safetensors",
-            "--advantages", hand_files / "advantages.safetensors", "--out", out, "--lr", 0, "--beta", BETA, *flags)
+            "--advantages", hand_files / "advantages.safetensors", "--out", out, "--beta", BETA, *flags)
     assert r.code == 0, r.err
     m = json.loads((out / "metrics.json").read_text())
     assert m["loss"] == pytest.approx(expected, abs=1e-5)

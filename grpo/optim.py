@@ -1,0 +1,83 @@
+"""AdamW for update.py and train.py: construction, the learning-rate schedule, gradient clipping, and
+the steps skipped for a non-finite loss or gradient.
+
+Whoever builds the optimizer (update.py for one update, train.py once per run), each step takes its
+learning rate and weight decay from the update's own arguments (`step`), so a setting cannot be
+given to the update and lost on the way.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grpo import checkpoints, distributed
+from grpo.cli import StageError, warn
+
+
+@dataclass
+class Critic:
+    """PPO's value network V and its own AdamW."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def adamw(model, lr, weight_decay=0.0, state_file=None):
+    """AdamW over the model's parameters, continuing from `state_file` (optimizer.safetensors) if given."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if state_file is not None:
+        checkpoints.load_optimizer_state(model, optimizer, state_file)
+    return optimizer
+
+
+def scheduled_lr(args, step, lr=None):
+    """The learning rate of AdamW's step `step` (0 for the first): a linear warm-up over W =
+    --warmup-steps, lr·(step + 1)/W, so the first step already moves (transformers' schedulers start at
+    0); then `lr` (default --lr), constant or decaying (linearly or as a half cosine) to 0 at
+    --total-steps. The critic follows the same schedule from --critic-lr."""
+    lr = args.lr if lr is None else lr
+    if step < args.warmup_steps:
+        return lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return lr
+    progress = min((step - args.warmup_steps) / max(args.total_steps - args.warmup_steps, 1), 1.0)
+    if args.lr_schedule == "linear":
+        return lr * (1 - progress)
+    return lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def adamw_steps(optimizer):
+    """Steps AdamW has taken: its state's `step`, which optimizer.safetensors keeps across resumes."""
+    state = next(iter(optimizer.state.values()), None)
+    return int(state["step"]) if state else 0
+
+
+def clip_gradients(model, max_norm):
+    """Clip the model's gradient to max_norm; its norm before clipping, as a float (FSDP: the full norm)."""
+    return float(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+
+
+def step(optimizers, args):
+    """One AdamW step of the policy (and of PPO's critic, at --critic-lr) with the update's scheduled
+    learning rate and --weight-decay; returns the policy's learning rate."""
+    n = adamw_steps(optimizers[0])
+    for optimizer, lr in zip(optimizers, (args.lr, args.critic_lr)):
+        for group in optimizer.param_groups:
+            group["lr"], group["weight_decay"] = scheduled_lr(args, n, lr), args.weight_decay
+        optimizer.step()
+    return scheduled_lr(args, n)
+
+
+def skip_step(optimizers, skipped, grad_norms, loss, max_bad_steps):
+    """A non-finite loss or gradient would write NaN into every weight: drop the step, count it, and
+    stop once more than max_bad_steps were dropped. Returns the new count."""
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    skipped += 1
+    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad norms {grad_norms}); "
+         f"optimizer step skipped ({skipped} so far)")
+    if skipped > max_bad_steps:
+        raise StageError(f"{skipped} optimizer steps had a non-finite loss or gradient, more than "
+                         f"--max-bad-steps {max_bad_steps}; stopping. Lower --lr, check the rewards and "
+                         f"advantages, or look for NaN weights in --model")
+    return skipped

@@ -1,0 +1,179 @@
+"""A training run: its own settings (the flags train.py adds to the stages'), what it holds in memory
+(the policy, with FSDP a full copy that samples, π_ref, PPO's critic, AdamW and the reward functions),
+loaded from the base model or from the last save, and the models each iteration's stage commands name.
+"""
+
+import argparse
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from grpo import builders, distributed, files, modeling, optim, reward_specs, tasks
+from grpo.cli import ArgumentParser, StageError
+from grpo.settings import at_least
+
+
+# What each of the run's own settings may be (the stages' are checked by their own RULES).
+RULES = {"iterations": at_least(1), "eval_every": at_least(0), "eval_prompts": at_least(1),
+         "save_every": at_least(0), "max_sample_rounds": at_least(1)}
+
+
+def check_combinations(cfg):
+    """Settings of different stages that must agree. PPO's advantages come from its critic (gae), GRPO's
+    from the group (the estimator follows --algo), and a group needs two completions to compare."""
+    ppo = cfg.algo == "ppo"
+    if cfg.estimator is None:
+        cfg.estimator = "gae" if ppo else "grpo"
+    if (cfg.estimator == "gae") != ppo:
+        raise StageError(f"--estimator {cfg.estimator} with --algo {cfg.algo}: gae needs the critic of "
+                         f"--algo ppo, and ppo takes its advantages from gae")
+    if ppo and cfg.dynamic_sampling:
+        raise StageError("--dynamic-sampling drops groups with equal rewards, which only GRPO needs; "
+                         "use it with --algo grpo")
+    needs_group = {"--estimator " + cfg.estimator: cfg.estimator in ("grpo", "dr_grpo", "rloo"),
+                   "--dynamic-sampling": cfg.dynamic_sampling, "--length-strata": cfg.length_strata > 1}
+    needing = [flag for flag, needs in needs_group.items() if needs]
+    if cfg.group_size < 2 and needing:
+        raise StageError(f"--group-size {cfg.group_size}: {needing[0]} compares each completion with the "
+                         f"others of its group, so G must be at least 2 (PPO's critic needs none: --algo ppo)")
+    G, S = cfg.group_size, cfg.length_strata
+    if S > 1 and (G % S or G // S < 2):
+        raise StageError(f"--length-strata {S}: the G = {G} completions of a group must split into strata of "
+                         f"equal size of at least 2 (S divides G, S ≤ G/2)")
+
+
+def parser(description, configs):
+    """train.py's own flags: the command (which configuration, which folder) and the run's settings,
+    which no stage takes (train.py adds the stages' flags)."""
+    p = ArgumentParser(description=description)
+    p.add_argument("--config", default=None, choices=configs, help="named configuration (default: default)")
+    p.add_argument("--config-file", default=None,
+                   help="start from a JSON file instead: an object of settings, or a run's config.json")
+    p.add_argument("--run-dir", default=None, help="run folder (default: runs/CONFIG or runs/FILE's stem)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last save")
+    p.add_argument("--check", action="store_true",
+                   help="sample and score the first batch, report its reward spread, write nothing")
+    run = p.add_argument_group("the run's settings")
+    run.add_argument("--algo", default="grpo", choices=["grpo", "ppo"],
+                     help="grpo, or ppo: a critic V and GAE advantages (estimator gae) on the same stages")
+    run.add_argument("--model", default="", help="the policy: a folder or Hub id org/name[@rev]; '' = "
+                                                 "SmolLM2-135M-Instruct, 'tiny' = a tiny Llama built here")
+    run.add_argument("--task", default="arithmetic", choices=list(tasks.TASKS),
+                     help="built-in prompts and reward")
+    run.add_argument("--prompts", default="",
+                     help="JSON-lines prompt file for training, in place of the task's; without\n"
+                          "--eval-prompts-file, --eval-prompts of its records (a seeded choice) are held out")
+    run.add_argument("--eval-prompts-file", default="",
+                     help="JSON-lines held-out prompts, in place of the task's")
+    run.add_argument("--iterations", type=int, default=15, help="K: iterations")
+    run.add_argument("--seed", type=int, default=0, help="seed of every draw of the run")
+    run.add_argument("--eval-every", type=int, default=5,
+                     help="greedy held-out evaluation at 0, every this many iterations and at the end\n"
+                          "(0: none)")
+    run.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts evaluated")
+    run.add_argument("--save-every", type=int, default=10,
+                     help="save policy/ (the resume point) and keep checkpoints/iter_XXXX this often")
+    run.add_argument("--critic-init", default="",
+                     help="PPO: the critic's transformer (folder or Hub id); '' = the initial policy's")
+    run.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
+                     help="DAPO's dynamic sampling: refill the batch with groups whose rewards differ")
+    run.add_argument("--max-sample-rounds", type=int, default=3,
+                     help="R: sampling rounds of dynamic sampling")
+    return p
+
+
+@contextmanager
+def timed(perf, key):
+    """Add the block's seconds to perf[key]."""
+    t = time.perf_counter()
+    yield
+    perf[key] = perf.get(key, 0.0) + time.perf_counter() - t
+
+
+@dataclass
+class Models:
+    """What a run holds in memory."""
+    base: str                       # the initial policy's folder; also π_ref's
+    tokenizer: object
+    policy: torch.nn.Module         # what AdamW steps: in DDP, or sharded by FSDP2, under torchrun
+    sampler: torch.nn.Module        # the whole policy that samples: `policy`, or with FSDP a full copy
+    ref: torch.nn.Module = None     # π_ref, frozen; None when β = 0 and no KL is in the reward
+    critic: optim.Critic = None     # PPO's value model and its AdamW (--algo ppo)
+    critic_init: str = None         # the critic's folder before the first step (PPO)
+
+
+def start(cfg, run_dir, done, records, held_out_lines=None):
+    """Rewards (checked against the fields of the `records`: [(rows, file, lines)]), config.json (with the
+    lines of --prompts held out for evaluation, if any), the models (the policy from the last save
+    when resuming) with every record checked to fit the model's context, and AdamW (update.train_policy
+    sets its learning rate and weight decay from the update's arguments at every step)."""
+    device = distributed.pick_device(cfg.device)
+    reward_fns = [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code)
+                  for s in cfg.reward]
+    for rows, source, _ in records:
+        reward_specs.check_fields(reward_fns, rows, source)
+    if distributed.is_main():
+        os.makedirs(run_dir, exist_ok=True)
+        held_out = {"held_out": {"prompts": cfg.prompts, "lines": held_out_lines}} if held_out_lines else {}
+        files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg), **held_out})
+    base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
+    path = os.path.join(run_dir, "policy") if done else base
+    policy = modeling.load_model(path, device, cfg.trust_remote_code)
+    sampler = policy
+    if cfg.fsdp and distributed.rank_and_world()[1] > 1:
+        sampler = modeling.load_model(path, device, cfg.trust_remote_code)
+    needs_ref = cfg.beta != 0 or cfg.kl_in_reward != 0           # the k1 of --kl-in-reward (PPO)
+    models = Models(base, modeling.load_tokenizer(path, cfg.trust_remote_code),
+                    distributed.distribute(policy, cfg.fsdp), sampler,
+                    modeling.load_model(base, device, cfg.trust_remote_code) if needs_ref else None)
+    context = getattr(policy.config, "max_position_embeddings", None)
+    for rows, source, lines in records:                         # every prompt renders and fits
+        max_len = context - cfg.max_new_tokens if context else None
+        modeling.render_prompts(rows, models.tokenizer, source, max_len, lines)
+    if cfg.algo == "ppo":
+        models.critic_init, models.critic = start_critic(cfg, run_dir, base, done, device)
+    state = os.path.join(path, "optimizer.safetensors") if done else None
+    return models, optim.adamw(models.policy, cfg.lr, cfg.weight_decay, state), reward_fns
+
+
+def start_critic(cfg, run_dir, base, done, device):
+    """PPO's critic: made once in RUN/critic_init from --critic-init (default: the initial policy),
+    then taken from policy/critic/ of the last save, with its AdamW state."""
+    if cfg.fsdp and distributed.rank_and_world()[1] > 1:
+        raise StageError("--algo ppo does not run with --fsdp yet (the critic samples unsharded); use DDP")
+    init = os.path.join(run_dir, "critic_init")
+    if distributed.is_main() and not os.path.isfile(os.path.join(init, "config.json")):
+        builders.make_critic(cfg.critic_init or base, init, cfg.trust_remote_code)
+    distributed.barrier()
+    path = os.path.join(run_dir, "policy", "critic") if done else init
+    critic = distributed.distribute(modeling.load_critic(path, device, cfg.trust_remote_code), cfg.fsdp)
+    state = os.path.join(path, "optimizer.safetensors") if done else None
+    return init, optim.Critic(critic, optim.adamw(critic, cfg.lr, cfg.weight_decay, state))
+
+
+def model_paths(models, policy_path, i):
+    """The models that iteration i's stage commands name: the policy that samples it, π_ref, and PPO's
+    critic, saved beside that policy (its critic/), or critic_init before the first step."""
+    critic = None
+    if models.critic is not None:
+        critic = models.critic_init if i == 0 else os.path.join(policy_path, "critic")
+    return {"model": policy_path, "ref_model": models.base if models.ref else None, "critic": critic}
+
+
+
+
+def with_outputs(samples, rewards, components, skipped, advantages, completion_mask):
+    """samples.jsonl's rows with the stages' outputs: "reward" (the weighted total, null for a skipped
+    row), "rewards" (each function's, null where it does not apply) and "advantage" (A_i, or for PPO's
+    per-token advantages their mean over the completion's tokens)."""
+    if advantages.dim() == 2:                                               # [N, T] -> [N]
+        advantages = (advantages * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1)
+    rows = []
+    for n, row in enumerate(samples):
+        per_function = {k: None if v[n].isnan() else v[n].item() for k, v in components.items()}
+        rows.append({**row, "reward": None if skipped[n] else rewards[n].item(), "rewards": per_function,
+                     "advantage": advantages[n].item()})
+    return rows

@@ -1,0 +1,110 @@
+"""update.py's metrics.json: each minibatch's numbers summed over its micro-batches and the ranks,
+one record per AdamW step (measured before the step), and their mean over the steps.
+
+A per-token mean is a term summed over the loss's tokens, divided by their count, so that it does
+not depend on how a minibatch is cut into micro-batches or shared between ranks. The first
+minibatch, before any step (when π_θ is still π_old), also gives the on-policy check:
+|log π_θ − log π_old| and the share of tokens already outside the clip band.
+"""
+
+import math
+
+import torch
+
+from grpo import diagnostics, distributed
+
+# metrics.json's per-token means -> the term of update.grpo_token_loss (or of the critic) they average.
+TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped_low",
+               "clip_frac_high": "clipped_high", "clip_frac_dual": "dual_clipped", "ratio_mean": "ratio",
+               "entropy": "entropy"}
+VALUE_TOKEN_MEANS = {"value_clip_frac": "value_clipped", "value_mean": "value"}       # PPO's critic
+SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "completion_tokens", "outside_clip", "checked",
+        "value_loss", *VALUE_TOKEN_MEANS)
+MAXES = ("ratio", "logprob_diff")
+
+
+class UpdateMetrics:
+    """The numbers of one update: start() a minibatch, add() each micro-batch, end_minibatch() with the
+    gradient norms, step() after each AdamW step, summary() at the end."""
+
+    def __init__(self, clip_eps, clip_eps_high, ratio_level, has_ref, num_models):
+        self.clip_eps, self.clip_eps_high, self.ratio_level = clip_eps, clip_eps_high, ratio_level
+        self.has_ref, self.num_models = has_ref, num_models
+        self.steps, self.on_policy = [], None
+
+    def start(self):
+        self.sums, self.maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
+
+    @torch.no_grad()
+    def add(self, batch, loss, terms):
+        """A micro-batch's loss and per-token terms (grpo_token_loss's, with logp, entropy,
+        policy_loss, and the critic's value_loss, value, value_clipped for PPO)."""
+        sums, maxes = self.sums, self.maxes
+        mask, loss_mask = batch["completion_mask"], batch["loss_mask"]         # [n, T]
+        sums["loss"] += loss.item()
+        sums["policy_loss"] += terms["policy_loss"].item()
+        token_means = {**TOKEN_MEANS, **VALUE_TOKEN_MEANS} if "value" in terms else TOKEN_MEANS
+        for name, term in token_means.items():
+            sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
+        sums["value_loss"] += terms["value_loss"].item() if "value" in terms else 0.0
+        if loss_mask.any():
+            maxes["ratio"] = max(maxes["ratio"], terms["ratio"][loss_mask].max().item())
+        diff_max, diff_sum = diagnostics.logprob_mismatch(terms["logp"], batch["old_logprobs"], mask)
+        sums["logprob_diff"] += diff_sum
+        sums["completion_tokens"] += mask.sum().item()
+        maxes["logprob_diff"] = max(maxes["logprob_diff"], diff_max)
+        sequence = self.ratio_level == "sequence"                                   # one ratio per row
+        ratio = terms["ratio"][:, :1] if sequence else terms["ratio"]             # [n, 1] or [n, T]
+        checked = mask.any(-1, keepdim=True) if sequence else mask
+        outside = (ratio < 1 - self.clip_eps) | (ratio > 1 + self.clip_eps_high)
+        sums["outside_clip"] += (outside & checked).sum().item()
+        sums["checked"] += checked.sum().item()
+
+    def end_minibatch(self, grad_norms):
+        """Combine the ranks' sums; False when the loss or a gradient is not finite (no step then)."""
+        self.sums = distributed.all_reduce(self.sums, "sum")
+        self.maxes = distributed.all_reduce(self.maxes, "max")
+        self.grad_norms = grad_norms
+        if self.on_policy is None:
+            self.on_policy = {"logprob_diff_max": self.maxes["logprob_diff"],
+                              "logprob_diff_mean": self.sums["logprob_diff"] / self.sums["completion_tokens"],
+                              "outside_clip_on_policy": self.sums["outside_clip"] / self.sums["checked"]}
+        return all(map(math.isfinite, [*grad_norms, self.sums["loss"], self.sums["value_loss"]]))
+
+    def step(self, num_tokens, lr):
+        self.steps.append(self._step_metrics(self.sums, self.maxes, self.grad_norms, num_tokens, lr))
+
+    def _step_metrics(self, sums, maxes, grad_norms, num_tokens, lr):
+        """One optimizer step's metrics, in metrics.json's names (kl is null without ref_logprobs); with
+        a critic (a second grad norm), its value_* metrics too."""
+        per_token = {name: sums[name] / num_tokens for name in TOKEN_MEANS}
+        if not self.has_ref:
+            per_token["kl"] = per_token["kl_penalty"] = None
+        metrics = {"loss": sums["loss"], "policy_loss": sums["policy_loss"], **per_token,
+                   "clip_frac": per_token["clip_frac_low"] + per_token["clip_frac_high"],
+                   "ratio_max": maxes["ratio"], "grad_norm": grad_norms[0], "tokens": num_tokens, "lr": lr}
+        if len(grad_norms) > 1:
+            metrics.update(value_loss=sums["value_loss"], value_grad_norm=grad_norms[1],
+                           **{name: sums[name] / num_tokens for name in VALUE_TOKEN_MEANS})
+        return metrics
+
+    def summary(self, skipped):
+        """metrics.json: the mean of each metric over the optimizer steps (null for a null one, all null
+        with no step), the step counts, and the on-policy check."""
+        if self.steps:
+            steps = self.steps
+            means = {k: None if v is None else sum(s[k] for s in steps) / len(steps)
+                     for k, v in steps[0].items()}
+        else:
+            placeholder = self._step_metrics(dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0),
+                                             [0.0] * self.num_models, 1, 0.0)
+            means = dict.fromkeys(placeholder)
+        return {**means, "optimizer_steps": len(self.steps), "skipped_steps": skipped, **self.on_policy}
+
+    def warnings(self):
+        """What the on-policy check calls for: sampler and trainer disagree, or rounding alone clips."""
+        on_policy = self.on_policy
+        warnings = [diagnostics.mismatch_warning(on_policy["logprob_diff_max"],
+                                                 on_policy["logprob_diff_mean"]),
+                    diagnostics.clip_band_warning(on_policy["outside_clip_on_policy"], self.ratio_level)]
+        return [w for w in warnings if w]

@@ -1,0 +1,89 @@
+"""The sampler's knobs: top-k, top-p and min-p after τ, against hand-computed distributions; a token
+outside the top k is never drawn; --top-k 1 at any τ is greedy decoding; the log-probs stay the
+model's at τ; the knobs are recorded in the rollouts' metadata."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import cli
+from safetensors import safe_open
+from transformers import GenerationConfig
+
+import sample
+from grpo import modeling
+
+
+def probs(z):
+    return z.softmax(-1)[0].tolist()
+
+
+def test_truncation_against_hand_computed_distributions():
+    z = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log() / 1.0             # logits at τ: p = 0.5, 0.3, 0.15, 0.05
+    assert probs(sample.truncate(z)) == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    # top-p 0.9: 0.5 + 0.3 = 0.8 < 0.9, so the third joins (0.95 ≥ 0.9); renormalised by 0.95.
+    assert probs(sample.truncate(z, top_p=0.9)) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+    assert probs(sample.truncate(z, top_p=0.8)) == pytest.approx([0.625, 0.375, 0.0, 0.0])   # 0.8 reaches 0.8
+    assert probs(sample.truncate(z, top_p=0.4)) == pytest.approx([1.0, 0.0, 0.0, 0.0])
+    # min-p 0.2: tokens below 0.2 × 0.5 = 0.1 go: only 0.05.
+    assert probs(sample.truncate(z, min_p=0.2)) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+    assert probs(sample.truncate(z, min_p=0.7)) == pytest.approx([1.0, 0.0, 0.0, 0.0])      # 0.3 < 0.35
+    # top-k 3, then top-p 0.8 of what is left (0.5, 0.3, 0.15 renormalised: 0.526 + 0.316 = 0.842 ≥ 0.8).
+    assert probs(sample.truncate(z, top_k=3, top_p=0.8)) == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    # min-p after top-p: of 0.5/0.95, 0.3/0.95, 0.15/0.95, min-p 0.4 leaves out the last (0.158 < 0.211).
+    assert probs(sample.truncate(z, top_p=0.9, min_p=0.4)) == pytest.approx([0.625, 0.375, 0.0, 0.0])
+
+
+@pytest.fixture(scope="module")
+def tiny(models):
+    tok = modeling.load_tokenizer(models["policy"])
+    policy = modeling.load_model(models["policy"], "cpu")
+    ids, mask = modeling.left_pad([tok(t)["input_ids"] for t in ["1+1=", "What is 2 + 3?", "abc"]], tok.pad_token_id)
+    return tok, policy, ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
+
+
+def draw(tiny, temperature, seed=0, **knobs):
+    tok, policy, ids, mask = tiny
+    return sample.sample_completions(policy, ids, mask, 12, temperature, modeling.eos_token_ids(tok, policy),
+                                     tok.pad_token_id, torch.Generator().manual_seed(seed), **knobs)
+
+
+def test_a_token_outside_the_top_k_is_never_drawn_and_log_probs_stay_the_models(tiny):
+    tok, policy, ids, mask = tiny
+    completion_ids, completion_mask, logp, _ = draw(tiny, 1.5, top_k=3)
+    with torch.no_grad():
+        logits, cut_ids, cut_mask = modeling.completion_outputs(policy, ids, mask, completion_ids.clone(),
+                                                                completion_mask.clone())
+    rank = (logits > logits.gather(-1, cut_ids[..., None])).sum(-1)              # [n, T] tokens above it
+    assert rank[cut_mask].max().item() <= 2 and rank[cut_mask].float().mean() > 0.3   # top 3, not only the first
+    # log π_old is log_softmax(logits / τ) of the whole vocabulary, not of the three kept tokens
+    full = modeling.logprobs_from_logits(logits, cut_ids, 1.5)
+    torch.testing.assert_close(logp[:, :cut_ids.shape[1]][cut_mask], full[cut_mask], atol=1e-5, rtol=0)
+    assert logp[completion_mask].exp().max() < 1 and (logp[completion_mask] < math.log(0.99)).all()
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_top_k_one_is_greedy_decoding_at_any_temperature(tiny, temperature):
+    tok, policy, ids, mask = tiny
+    completion_ids, completion_mask, _, _ = draw(tiny, temperature, seed=int(temperature * 10), top_k=1)
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=modeling.eos_token_ids(tok, policy),
+                              pad_token_id=tok.pad_token_id)
+    greedy = policy.generate(input_ids=ids, attention_mask=mask.long(), generation_config=config)[:, ids.shape[1]:]
+    for row in range(len(ids)):
+        ours = completion_ids[row][completion_mask[row]].tolist()
+        assert greedy[row, :len(ours)].tolist() == ours, row
+
+
+def test_the_knobs_are_recorded_and_checked(models, prompts_file, tmp_path):
+    out = tmp_path / "o"
+    r = cli("sample.py", "--model", models["policy"], "--prompts", prompts_file, "--out", out, "--group-size", 2,
+            "--num-prompts", 2, "--max-new-tokens", 4, "--top-k", 5, "--top-p", 0.9, "--min-p", 0.05)
+    assert r.code == 0, r.err
+    with safe_open(str(out / "rollouts.safetensors"), framework="pt") as f:
+        args = json.loads(f.metadata()["args"])
+    assert (args["top_k"], args["top_p"], args["min_p"]) == (5, 0.9, 0.05)
+    for flag, value in [("--top-p", 0), ("--top-p", 1.5), ("--min-p", -0.1), ("--top-k", -1)]:
+        r = cli("sample.py", "--model", models["policy"], "--prompts", prompts_file, "--out", tmp_path / "x",
+                flag, value)
+        assert r.code == 2 and flag in r.err and not (tmp_path / "x").exists()
