@@ -150,11 +150,12 @@ def iteration_matmuls(config, B, P, G, T):
     - the update's backward costs two matmuls of the forward's size for each of its matmuls (the
       input's and the weight's gradients; for attention dQ, dK, dV and dP), listed with their shapes.
     Attention counts every (query, key) pair it is given, per query head (grouped K/V heads are
-    repeated or broadcast to all heads): 2·head_dim FLOPs for Q·Kᵀ and 2·head_dim for P·V. The prefill
-    runs with is_causal and no mask when no prompt is padded, and its kernel skips some key blocks past
-    the diagonal; counting the full P × P square overstates the iteration by about 0.1 % here. Not
-    counted: the embedding lookup (a gather) and the entropy's per-position dot product (2·V FLOPs a
-    position); AdamW, softmax and the rest are not matmuls.
+    repeated or broadcast to all heads): 2·head_dim FLOPs for Q·Kᵀ and 2·head_dim for P·V, as in
+    Chinchilla's FLOP count (Hoffmann et al. 2022, appendix F), which also takes the backward pass
+    as twice the forward. The prefill runs with is_causal and no mask when no prompt is padded, and
+    its kernel skips some key blocks past the diagonal; counting the full P × P square overstates the
+    iteration by about 0.1 % here. Not counted: the embedding lookup (a gather) and the entropy's
+    per-position dot product (2·V FLOPs a position); AdamW, softmax and the rest are not matmuls.
     """
     d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     H, KV, ffn = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
