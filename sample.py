@@ -43,7 +43,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import distributed, files, modeling, settings
+from grpo import distributed, files, lora, modeling, settings
 from grpo.rollouts import concat_rollouts, pad_right
 from grpo.settings import above, at_least, between
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
@@ -89,7 +89,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     next_position = position_ids[:, -1:] + 1                                          # [n, 1]
     finished = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)             # EOS already sampled
     tokens, masks, logprobs = [], [], []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = out[:, -1].float()                                                   # [n, V]
         probs = torch.softmax(truncate(logits / temperature, top_k, top_p, min_p), dim=-1)  # [n, V]
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)          # [n]
@@ -99,7 +99,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
         finished = finished | torch.isin(token, eos)
         if progress is not None:
             progress.update(1)
-        if finished.all():
+        if finished.all() or step == max_new_tokens - 1:       # no forward whose logits go unused
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
         with modeling.autocast(prompt_ids.device):
@@ -247,6 +247,7 @@ def build_parser():
                         "own prompt (the reference path; the same completions and log-probs)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
+    lora.add_flags(p)
     add_runtime_flags(p)
     return p
 
@@ -254,7 +255,8 @@ def build_parser():
 # What each setting may be, checked before anything is read or written (train.py's runs too).
 RULES = {"group_size": at_least(1), "num_prompts": at_least(1), "start": at_least(0),
          "max_new_tokens": at_least(1), "temperature": above(0), "top_k": at_least(0),
-         "top_p": between(0, 1, lo_open=True), "min_p": between(0, 1), "micro_batch_size": at_least(0)}
+         "top_p": between(0, 1, lo_open=True), "min_p": between(0, 1), "micro_batch_size": at_least(0),
+         **lora.RULES}
 
 
 def parse_args(argv=None):
@@ -269,10 +271,9 @@ def main(argv=None):
     args.num_prompts = len(records)
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
-    policy = modeling.load_model(args.model, device, args.trust_remote_code)
-    ref_model = None
-    if args.ref_model:
-        ref_model = modeling.load_model(args.ref_model, device, args.trust_remote_code)
+    policy = lora.load_policy(args.model, device, args)
+    ref_model = args.ref_model and (lora.reference(policy, args.ref_model)        # LoRA: the base, disabled
+                                    or modeling.load_model(args.ref_model, device, args.trust_remote_code))
     critic = modeling.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 
     t0 = time.perf_counter()

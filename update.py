@@ -60,7 +60,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import checkpoints, diagnostics, distributed, files, modeling, optim, settings
+from grpo import checkpoints, diagnostics, distributed, files, lora, modeling, optim, settings
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn, warn_once
 from grpo.settings import above, at_least, between
 from grpo.update_metrics import UpdateMetrics
@@ -146,7 +146,8 @@ def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, ret
     minibatches = distributed.row_slices(N, args.minibatch_size)
     bar = tqdm(total=args.epochs * len(minibatches), desc="update", leave=False,
                disable=None if distributed.is_main() else True)
-    with modeling.gradient_checkpointing(models, args.gradient_checkpointing):
+    with modeling.gradient_checkpointing(models, args.gradient_checkpointing), lora.dropout(policy,
+                                                                                           args.lora_dropout):
         for epoch in range(args.epochs):
             order = torch.randperm(N, generator=generator)                                       # [N]
             for minibatch in minibatches:
@@ -320,6 +321,7 @@ def build_parser():
     p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
     p.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
+    lora.add_flags(p)
     add_runtime_flags(p)
     return p
 
@@ -330,7 +332,7 @@ RULES = {"lr": above(0), "warmup_steps": at_least(0), "beta": at_least(0),
          "entropy_coef": at_least(0), "critic_lr": above(0), "vf_coef": at_least(0), "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0),
          "micro_batch_size": at_least(0), "max_grad_norm": above(0), "weight_decay": at_least(0),
          "temperature": above(0), "max_new_tokens": at_least(1), "max_bad_steps": at_least(0),
-         "total_steps": at_least(1)}               # last: train.py derives it from the others
+         **lora.RULES, "total_steps": at_least(1)}    # last: train.py derives it from the others
 
 
 def parse_args(argv=None):
@@ -338,6 +340,8 @@ def parse_args(argv=None):
     settings.check(args, RULES)
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    if args.lora_r and args.fsdp:
+        raise StageError("--lora-r with --fsdp: LoRA adapters are not sharded here yet; use DDP (no --fsdp)")
     if args.lr_schedule != "constant" and not args.total_steps:
         raise StageError(f"--lr-schedule {args.lr_schedule} decays to 0 at --total-steps, which is missing")
     if (args.critic is None) != (args.critic_out is None):
@@ -365,7 +369,7 @@ def main(argv=None):
     rollouts, advantages, returns = load_inputs(args)
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
-    policy = modeling.load_model(args.model, device, args.trust_remote_code)
+    policy = lora.load_policy(args.model, device, args)          # or its LoRA adapters
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
     optimizer = optim.adamw(policy, args.lr, args.weight_decay, optimizer_state(args.model, args))
     critic = None

@@ -5,6 +5,12 @@
     modeling      models and tokenizers from folders, EOS ids, prompts to ids, per-token log-probs
     distributed   torchrun: ranks, shards, gathers, gradient sync, DDP/FSDP2 wrapping
     checkpoints   checkpoints, optimizer state, and train.py's run folder (save, restore, replay)
+    optim         AdamW for update.py and train.py: construction, lr schedule, clipping, skipped steps
+    update_metrics  update.py's metrics.json: sums over micro-batches and ranks, means over steps
+    settings      range rules of every stage's flags; train.py's configuration from the stage parsers
+    runs          a training run: its own flags and checks, the models it holds, what iterations name
+    rollouts      whole groups of rollouts stacked and re-padded; DAPO's dynamic sampling
+    lora          LoRA through peft: adapters on the frozen policy, π_ref its base, merging
     tasks         built-in prompt sets and the rule rewards that score them
     reward_specs  reward functions by --reward SPEC: built-in, the user's function, a reward model
     diagnostics   how a GRPO run goes wrong, as numbers logged every iteration

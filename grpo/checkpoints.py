@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from grpo import distributed, files
+from grpo import distributed, files, lora
 from grpo.cli import StageError
 from grpo.modeling import quiet_transformers
 
@@ -42,23 +42,30 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
     """Write a Hugging Face checkpoint to `out_dir` (replacing it) through a temporary folder.
 
     `weights` (default: the model's own tensors, see checkpoint_tensors) become model.safetensors;
-    `extra_files` maps file names to callables that write them into the temporary folder. A full
-    disk or a read-only folder is a one-line error and leaves `out_dir` as it was.
+    a LoRA policy is written as peft writes it, its adapters alone (adapter_config.json naming the
+    base, adapter_model.safetensors). `extra_files` maps file names to callables that write them into
+    the temporary folder. A full disk or a read-only folder is a one-line error and leaves `out_dir`
+    as it was.
     """
     quiet_transformers()
     out_dir = out_dir.rstrip("/")
     tmp = f"{out_dir}.tmp.{os.getpid()}"
-    weights = checkpoint_tensors(model) if weights is None else weights
+    adapters = lora.is_lora(model)
+    weights = checkpoint_tensors(model) if weights is None and not adapters else weights
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        model.config.architectures = [type(model).__name__]              # as save_pretrained records it
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_file({k: t.detach().cpu().contiguous() for k, t in weights.items()},
-                  os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        if adapters:
+            model.save_pretrained(tmp)                                   # peft's adapter files
+            os.remove(os.path.join(tmp, "README.md"))                    # and an empty model card
+        else:
+            model.config.architectures = [type(model).__name__]          # as save_pretrained records it
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            save_file({k: t.detach().cpu().contiguous() for k, t in weights.items()},
+                      os.path.join(tmp, "model.safetensors"), {"format": "pt"})
         tokenizer.save_pretrained(tmp)
         for name, write in (extra_files or {}).items():
             write(os.path.join(tmp, name))
@@ -81,7 +88,7 @@ def check_out_dir(path):
     if os.path.isfile(path):
         raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
     holds = os.path.isdir(path) and os.listdir(path)
-    if holds and not os.path.isfile(os.path.join(path, "config.json")):
+    if holds and not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
         shown = ", ".join(sorted(os.listdir(path))[:3])
         raise StageError(f"--out {path}: holds files that are not a checkpoint ({shown}, ...); the "
                          f"checkpoint replaces the whole folder, so choose a new or empty one")
@@ -97,14 +104,6 @@ def optimizer_state_tensors(policy, optimizer):
             for p, state in optimizer.state.items() for k, v in state.items()}
 
 
-def adamw(policy, lr, weight_decay=0.0, state_file=None):
-    """AdamW over the policy's parameters, continuing from `state_file` (optimizer.safetensors) if given."""
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
-    if state_file is not None:
-        load_optimizer_state(policy, optimizer, state_file)
-    return optimizer
-
-
 def load_optimizer_state(policy, optimizer, path):
     """Restore AdamW's state from optimizer_state_tensors' file; every parameter must have its state."""
     try:
@@ -115,6 +114,8 @@ def load_optimizer_state(policy, optimizer, path):
                          f"delete it or pass --fresh-optimizer") from None
     device = next(policy.parameters()).device
     for name, p in distributed.unwrap(policy).named_parameters():
+        if not p.requires_grad:                                  # frozen (a LoRA policy's base): no state
+            continue
         state = {key: saved.get(f"{name}/{key}") for key in ("step", "exp_avg", "exp_avg_sq")}
         if any(v is None for v in state.values()):
             raise StageError(f"{path}: no AdamW state for parameter {name}; is it from another model? "
@@ -163,7 +164,7 @@ def checkpoint_writer(model, tokenizer, optimizer, metrics, args, extra_files=No
     """A function that writes the checkpoint, optimizer.safetensors and metrics.json into the folder it
     is given (replacing it). The weights and AdamW's state are gathered now, on every rank (FSDP's
     gathers are collectives), and written later from the live tensors; None on ranks other than 0."""
-    weights = checkpoint_tensors(model)
+    weights = None if lora.is_lora(distributed.unwrap(model)) else checkpoint_tensors(model)
     state = optimizer_state_tensors(model, optimizer)
     # What the optimizer used, beside the arguments it was given: lr, weight_decay, betas, eps.
     hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

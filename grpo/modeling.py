@@ -148,8 +148,9 @@ def _check_model_dir(spec):
     path = model_dir(spec)
     if not os.path.isdir(path):
         raise StageError(f"{path}: no such model folder")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise StageError(f"{path}: not a Hugging Face model folder (no config.json)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        raise StageError(f"{path}: not a Hugging Face model folder (no config.json, nor a LoRA adapter's "
+                         f"adapter_config.json)")
     return path
 
 
@@ -360,7 +361,8 @@ def _in_passes(per_token, model, rollouts, micro_batch_size, *args, **kwargs):
 def _keep_last(model, n):
     """logits_to_keep=n for a model whose forward takes it (a causal LM: no [n, P, V] logits for the
     prompt), nothing for one that does not (a token-classification critic, whose outputs are small)."""
-    forward = distributed.unwrap(model).forward
+    bare = distributed.unwrap(model)
+    forward = (bare.get_base_model() if hasattr(bare, "get_base_model") else bare).forward   # under LoRA
     return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(forward).parameters else {}
 
 

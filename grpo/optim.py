@@ -23,8 +23,10 @@ class Critic:
 
 
 def adamw(model, lr, weight_decay=0.0, state_file=None):
-    """AdamW over the model's parameters, continuing from `state_file` (optimizer.safetensors) if given."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    """AdamW over the model's trainable parameters (a LoRA policy's adapters), continuing from
+    `state_file` (optimizer.safetensors) if given."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=weight_decay)
     if state_file is not None:
         checkpoints.load_optimizer_state(model, optimizer, state_file)
     return optimizer

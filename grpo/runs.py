@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo import builders, distributed, files, modeling, optim, reward_specs, tasks
+from grpo import builders, distributed, files, lora, modeling, optim, reward_specs, tasks
 from grpo.cli import ArgumentParser, StageError
 from grpo.settings import at_least
 
@@ -100,7 +100,7 @@ class Models:
     tokenizer: object
     policy: torch.nn.Module         # what AdamW steps: in DDP, or sharded by FSDP2, under torchrun
     sampler: torch.nn.Module        # the whole policy that samples: `policy`, or with FSDP a full copy
-    ref: torch.nn.Module = None     # π_ref, frozen; None when β = 0 and no KL is in the reward
+    ref: torch.nn.Module = None     # π_ref, frozen (LoRA: the policy, adapters off); None when no KL is used
     critic: optim.Critic = None     # PPO's value model and its AdamW (--algo ppo)
     critic_init: str = None         # the critic's folder before the first step (PPO)
 
@@ -121,14 +121,15 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
         files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg), **held_out})
     base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
     path = os.path.join(run_dir, "policy") if done else base
-    policy = modeling.load_model(path, device, cfg.trust_remote_code)
+    policy = lora.load_policy(path, device, cfg)    # with --lora-r, the base and adapters
     sampler = policy
     if cfg.fsdp and distributed.rank_and_world()[1] > 1:
         sampler = modeling.load_model(path, device, cfg.trust_remote_code)
-    needs_ref = cfg.beta != 0 or cfg.kl_in_reward != 0           # the k1 of --kl-in-reward (PPO)
+    ref = None
+    if cfg.beta != 0 or cfg.kl_in_reward != 0:                   # the k1 of --kl-in-reward (PPO)
+        ref = lora.reference(policy, base) or modeling.load_model(base, device, cfg.trust_remote_code)
     models = Models(base, modeling.load_tokenizer(path, cfg.trust_remote_code),
-                    distributed.distribute(policy, cfg.fsdp), sampler,
-                    modeling.load_model(base, device, cfg.trust_remote_code) if needs_ref else None)
+                    distributed.distribute(policy, cfg.fsdp), sampler, ref)
     context = getattr(policy.config, "max_position_embeddings", None)
     for rows, source, lines in records:                         # every prompt renders and fits
         max_len = context - cfg.max_new_tokens if context else None

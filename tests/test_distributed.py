@@ -121,6 +121,20 @@ def test_update_under_torchrun_takes_the_one_process_step(models, files, tmp_pat
     assert moved > 1e-4                                        # the steps did change the weights
 
 
+def test_lora_under_torchrun_takes_the_one_process_step(models, files, tmp_path):
+    """DDP over a LoRA policy: the same adapters and AdamW state as one process, after 4 steps."""
+    args = ["--model", models["policy"], "--rollouts", files["rollouts"], "--advantages", files["advantages"],
+            "--lr", 1e-3, "--lora-r", 4, "--minibatch-size", 6, "--micro-batch-size", 2]
+    ok(torchrun("update.py", *args, "--out", tmp_path / "two"))
+    assert cli("update.py", *args, "--out", tmp_path / "one", "--no-prefix-sharing").code == 0
+    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
+        assert max_diff(load_file(tmp_path / "one" / name), load_file(tmp_path / "two" / name)) < 1e-5, name
+    assert max(t.abs().max().item() for k, t in load_file(tmp_path / "two" / "adapter_model.safetensors").items()
+               if "lora_B" in k) > 1e-4                         # the adapters did move
+    r = torchrun("update.py", *args, "--out", tmp_path / "fsdp", "--fsdp")
+    assert r.returncode != 0 and "update.py: error: --lora-r with --fsdp" in r.stderr
+
+
 def test_a_failing_rank_stops_the_others_with_its_error(files, tmp_path):
     (tmp_path / "rank_reward.py").write_text(
         "import os\ndef flaky(prompts, completions, **k):\n"

@@ -13,8 +13,8 @@ import train
 from grpo import settings
 
 # A value other than the default for every stage flag train.py exposes. The two runs below take
-# them: GRPO's knobs in one run, PPO's (and --ignore-eos, which would leave --mask-truncated no row)
-# in the other.
+# them: GRPO's knobs in one run, PPO's in the other, with --ignore-eos (which would leave
+# --mask-truncated no row) and LoRA's (not with --fsdp).
 GRPO_KNOBS = {
     "group_size": 4, "num_prompts": 3, "max_new_tokens": 6, "temperature": 0.9, "micro_batch_size": 5,
     "prefix_sharing": False, "device": "cpu", "trust_remote_code": True, "top_k": 50, "top_p": 0.95, "min_p": 0.01,
@@ -29,6 +29,7 @@ GRPO_KNOBS = {
 PPO_KNOBS = {
     "estimator": "gae", "gamma": 0.9, "lam": 0.8, "kl_in_reward": 0.05, "whiten": False, "critic_lr": 0.001,
     "vf_coef": 0.5, "value_clip": 0.3, "ignore_eos": True,
+    "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.05, "lora_target_modules": ["q_proj", "v_proj"],
 }
 # Where each stage's arguments are recorded in a run folder.
 RECORDED = {"sample.py": "iter_0001/rollouts.safetensors", "score.py": "iter_0001/rewards.safetensors",

@@ -1,0 +1,157 @@
+"""LoRA through peft: the policy trained as low-rank adapters on frozen base weights, with π_ref the
+base itself (the adapters disabled), so a run holds one copy of the weights.
+
+A LoRA checkpoint is peft's own adapter files (adapter_config.json, naming the base model, and
+adapter_model.safetensors), the tokenizer, and the AdamW state of the adapter's parameters.
+`python -m grpo.lora --merge ADAPTER --out DIR` writes the merged weights as a plain Hugging Face
+checkpoint, for evaluation or serving.
+
+Choices: the adapters' A matrices are drawn from a generator seeded 0 (B starts at 0, so a fresh
+policy computes exactly what its base does), so every stage that adds adapters to a base adds the
+same ones; --lora-dropout acts in the update's forward passes only (sampling, the reference and a
+recomputed π_old run without it), so with dropout the first step's ratio is not exactly 1.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+from grpo import files, modeling
+from grpo.cli import StageError, run_cli
+from grpo.settings import above, at_least, between
+
+# What the LoRA flags may be, in the RULES of every stage that takes them.
+RULES = {"lora_r": at_least(0), "lora_alpha": above(0), "lora_dropout": between(0, 1)}
+
+
+def add_flags(parser):
+    """--lora-r and its companions, on every stage that loads the policy."""
+    parser.add_argument("--lora-r", type=int, default=0, metavar="R",
+                        help="R: train LoRA adapters of rank R on the frozen policy instead of every weight\n"
+                             "(peft); π_ref is the base with the adapters disabled (default 0: full fine-tune)")
+    parser.add_argument("--lora-alpha", type=float, default=None, metavar="α",
+                        help="α: the adapters' scale is α/R (default 2R)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0,
+                        help="dropout on the adapters' input in the update's forward passes (default 0)")
+    parser.add_argument("--lora-target-modules", nargs="+", action="extend", default=None, metavar="NAME",
+                        help="the modules that get adapters (default: every linear layer of the decoder,\n"
+                             "peft's all-linear)")
+
+
+def is_adapter(path):
+    """Whether a model folder holds LoRA adapters (peft's adapter_config.json) rather than a model."""
+    return os.path.isfile(os.path.join(modeling.model_dir(path), "adapter_config.json"))
+
+
+def base_of(path):
+    """The base model an adapter folder names."""
+    return files.read_json(os.path.join(modeling.model_dir(path), "adapter_config.json"))["base_model_name_or_path"]
+
+
+def load_policy(path, device, args):
+    """The policy of `path`: a plain model; the base and adapters of an adapter folder; or, with --lora-r R
+    > 0 and a plain folder, that model with fresh adapters. The adapters take gradients wherever they
+    are loaded, in sample.py too: torch's matmul folds batch dimensions only for weights that do not,
+    which changes the rounding, and a replayed stage must compute what the run computed."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if is_adapter(path):
+        saved_r = files.read_json(os.path.join(modeling.model_dir(path), "adapter_config.json"))["r"]
+        if getattr(args, "lora_r", 0) not in (0, saved_r):
+            raise StageError(f"{path}: holds LoRA adapters of rank {saved_r}, not --lora-r {args.lora_r}")
+        base = modeling.load_model(base_of(path), device, args.trust_remote_code)
+        model = PeftModel.from_pretrained(base, modeling.model_dir(path), is_trainable=True)
+        return model.to(device).eval()
+    model = modeling.load_model(path, device, args.trust_remote_code)
+    if not getattr(args, "lora_r", 0):
+        return model
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, task_type="CAUSAL_LM",
+                        lora_dropout=args.lora_dropout, target_modules=args.lora_target_modules or "all-linear")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)                               # the same adapters wherever they are added
+        model = get_peft_model(model, config)
+    return model.to(device).eval()
+
+
+def is_lora(model):
+    """Whether a model is a peft model (told by its class's module: peft need not be imported)."""
+    return type(model).__module__.startswith("peft.")
+
+
+class Reference(torch.nn.Module):
+    """π_ref of a LoRA policy: the policy itself with its adapters disabled, for forward passes and
+    greedy answers."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.config, self.generation_config = policy.config, policy.generation_config
+
+    def forward(self, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(**kwargs)
+
+    def generate(self, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy.generate(**kwargs)
+
+    def get_base_model(self):
+        return self.policy.get_base_model()
+
+
+def reference(policy, ref_path):
+    """π_ref for a policy: the policy's base with its adapters disabled when `ref_path` is that base, so
+    no second copy is loaded; else None (the caller loads ref_path)."""
+    if is_lora(policy) and os.path.realpath(modeling.model_dir(ref_path)) == os.path.realpath(
+            policy.peft_config["default"].base_model_name_or_path):
+        return Reference(policy)
+    return None
+
+
+@contextlib.contextmanager
+def dropout(model, on):
+    """The adapters' dropout layers in training mode within the block (the model stays in eval mode)."""
+    layers = [m for name, m in model.named_modules() if on and ".lora_dropout." in name]
+    for layer in layers:
+        layer.train()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.eval()
+
+
+def merge(adapter, out, trust_remote_code=False):
+    """Write the base with the adapters of `adapter` merged into its weights as a plain checkpoint."""
+    from grpo import checkpoints
+
+    if not is_adapter(adapter):
+        raise StageError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json)")
+    model = load_policy(adapter, "cpu", argparse.Namespace(trust_remote_code=trust_remote_code))
+    base = model.get_base_model()
+    if getattr(base.config, "tie_word_embeddings", False) and hasattr(base.get_output_embeddings(), "lora_A"):
+        # Adapters on an LM head tied to the embeddings: merged into the shared matrix they would change
+        # the embeddings too, so the merged model keeps the two apart.
+        head = base.get_output_embeddings().base_layer
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        base.config.tie_word_embeddings = False
+    merged = model.merge_and_unload()
+    checkpoints.save_checkpoint(merged, modeling.load_tokenizer(adapter, trust_remote_code), out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m grpo.lora", description="merge LoRA adapters into their base")
+    p.add_argument("--merge", required=True, metavar="ADAPTER", help="an adapter folder (a LoRA run's policy/)")
+    p.add_argument("--out", required=True, help="the folder of the merged Hugging Face checkpoint")
+    p.add_argument("--trust-remote-code", action="store_true")
+    args = p.parse_args(argv)
+    checkpoints_out = os.path.abspath(args.out)
+    merge(args.merge, checkpoints_out, args.trust_remote_code)
+    print(f"merged {args.merge} into {base_of(args.merge)}'s weights; wrote {checkpoints_out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_cli(main)
