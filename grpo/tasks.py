@@ -86,17 +86,20 @@ REWARDS = {
 
 
 def arithmetic(seed, num_train=2000, num_eval=48, low=10, high=99):
-    """Two-digit sums as chat prompts. Held-out pairs never appear in the training records."""
-    rng = random.Random(seed)
+    """Two-digit sums as chat prompts. The held-out pairs are the same for every seed (drawn with seed
+    0), so that runs of different seeds are scored on the same questions; the seed draws the training
+    pairs from the others, which are never held out."""
     pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    rng.shuffle(pairs)
+    random.Random(0).shuffle(pairs)
+    held_out, rest = pairs[:num_eval], pairs[num_eval:]
+    if seed != 0:                                # seed 0 keeps the order above: the default job's records
+        random.Random(seed).shuffle(rest)
 
     def record(a, b):
         question = f"What is {a} plus {b}? Answer in one short sentence."
         return {"messages": [{"role": "user", "content": question}], "answer": str(a + b)}
 
-    return ([record(a, b) for a, b in pairs[num_eval:num_eval + num_train]],
-            [record(a, b) for a, b in pairs[:num_eval]])
+    return [record(a, b) for a, b in rest[:num_train]], [record(a, b) for a, b in held_out]
 
 
 def char_classes(seed, num_train=256, num_eval=12):

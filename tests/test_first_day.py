@@ -266,3 +266,23 @@ def test_tensorboard_samples_show_the_users_question_and_every_completion_with_i
     assert "question 0" in text and "question 3" in text and "question 4" not in text
     assert "<|im_start|>" not in text
     assert "reward 0.000: 'c00'" in text and "reward skipped: 'c01'" in text
+
+
+def test_the_default_tasks_held_out_questions_do_not_depend_on_the_seed():
+    """Runs of different seeds are compared on the same held-out questions (seed 0's draw, which the
+    default job has always used), and no seed trains on them."""
+    import random
+
+    from grpo import tasks
+
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(0).shuffle(pairs)
+    expected = [f"What is {a} plus {b}? Answer in one short sentence." for a, b in pairs[:48]]
+    for seed in (0, 1, 7):
+        train_records, held_out, _ = tasks.make_task("arithmetic", seed)
+        assert [r["messages"][0]["content"] for r in held_out] == expected
+        assert not {r["answer"] + r["messages"][0]["content"] for r in train_records} & {
+            r["answer"] + r["messages"][0]["content"] for r in held_out}
+    assert tasks.make_task("arithmetic", 0)[0][0]["messages"][0]["content"].endswith(
+        f"{pairs[48][0]} plus {pairs[48][1]}? Answer in one short sentence.")     # seed 0's training order kept
+    assert tasks.make_task("arithmetic", 1)[0][:5] != tasks.make_task("arithmetic", 0)[0][:5]
