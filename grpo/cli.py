@@ -16,6 +16,8 @@ class StageError(Exception):
 def run_cli(main):
     """Run a stage's `main()` as a command: a StageError becomes `prog: error: message`."""
     prog = os.path.basename(sys.argv[0])
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)   # a run's log file shows each line as it happens
     try:
         main()
     except StageError as e:
