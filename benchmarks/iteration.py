@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 import sample  # noqa: E402
 import update  # noqa: E402
-from grpo import builders, checkpoints, distributed, files, modeling, tasks  # noqa: E402
+from grpo import builders, distributed, files, modeling, optim, tasks  # noqa: E402
 
 B, G, T, TAU, BETA = 4, 8, 24, 0.7, 0.01
 SCALING_G, SCALING_P = (4, 8, 16), (40, 200, 800)
@@ -141,9 +141,9 @@ def iteration_matmuls(config, B, P, G, T):
     The model calls, read from sample.sample_completions and modeling.completion_logprobs with prefix
     sharing: each stage prefills the B prompts once (logits_to_keep=1: the LM head at the last prompt
     token only), then
-    - sampling runs T decode steps of the N = B·G rows, one token each, step t attending to P + t + 1
-      keys, with the LM head at that token; what the code does, not the minimum: the T-th step's
-      forward runs although its logits are never sampled from (the loop checks EOS after it);
+    - sampling draws token 0 from the prefill's logits, then runs T − 1 decode steps of the N = B·G
+      rows, one token each, the step that feeds token t attending to P + t + 1 keys, with the LM head
+      at that token (no forward after the last token: its logits would never be sampled from);
     - the reference pass and the update run the first T − 1 completion tokens of the N rows at once on
       the cache (the last prompt token's logits from the prefill score token 0), attending to all
       P + T − 1 keys through an explicit mask, with the LM head at those T − 1 positions;
@@ -174,7 +174,7 @@ def iteration_matmuls(config, B, P, G, T):
         return [(stage, *g) for g in gemms]
 
     matmuls = forward("sampling", B, P, P, 1)
-    for t in range(T):
+    for t in range(T - 1):
         matmuls += forward("sampling", N, 1, P + t + 1, 1)
     for stage in ("reference", "update"):
         backward = stage == "update"
@@ -405,7 +405,7 @@ def cell(model_dir, device, length, group_size, share):
     rollouts = {k: v.cpu() for k, v in rollouts.items()}
     advantages = torch.linspace(-1, 1, len(ids))
     t = time.perf_counter()
-    update.train_policy(policy, checkpoints.adamw(policy, 1e-6), rollouts, advantages, uargs)
+    update.train_policy(policy, optim.adamw(policy, 1e-6), rollouts, advantages, uargs)
     sync(device)
     times["update"] = time.perf_counter() - t
     print(json.dumps({"prompt_tokens": prompt_ids.shape[1], **times}))

@@ -23,16 +23,16 @@ def test_matmul_flops_by_hand():
     # One (query, key) pair of attention: 2 heads × (2·4 for q·k + 2·4 for p·v) = 32 a layer, 64 for both.
     # The prefill (each stage): 2 × 3 tokens, 2 × 3 × 3 pairs, the LM head at 2 positions:
     #   6·2,304 = 13,824; 18·64 = 1,152; 2·512 = 1,024.
-    # Sampling's 2 decode steps, 4 rows of one token: 8·2,304 = 18,432 in the layers, 8·512 = 4,096
-    #   in the LM head; step t attends to 3 + t + 1 keys: 4·(4 + 5) = 36 pairs, 2,304.
+    # Sampling draws token 0 from the prefill, then 1 decode step (token 1's), 4 rows of one token:
+    #   4·2,304 = 9,216 in the layers, 4·512 = 2,048 in the LM head; 4 keys a row: 16 pairs, 1,024.
     # The reference's completion pass: 4 rows × 1 token = 4·2,304 = 9,216; 4 positions of the
     #   LM head, 2,048; 4 rows × 1 query × 4 keys = 16 pairs, 1,024.
     # The update: the reference's forward, and a backward of twice that.
     flops = iteration.matmul_flops(tiny_config(), B=2, P=3, G=2, T=2)
-    assert flops["sampling"] == {"layers": 13_824 + 18_432, "lm_head": 1_024 + 4_096, "attention": 1_152 + 2_304}
+    assert flops["sampling"] == {"layers": 13_824 + 9_216, "lm_head": 1_024 + 2_048, "attention": 1_152 + 1_024}
     assert flops["reference"] == {"layers": 13_824 + 9_216, "lm_head": 1_024 + 2_048, "attention": 1_152 + 1_024}
     assert flops["update"] == {k: 3 * v for k, v in flops["reference"].items()}
-    assert sum(sum(f.values()) for f in flops.values()) == 40_832 + 4 * 28_288
+    assert sum(sum(f.values()) for f in flops.values()) == 5 * 28_288
 
 
 def test_backward_is_the_transposed_products():
@@ -45,3 +45,18 @@ def test_backward_is_the_transposed_products():
         assert {(kind, m, k, n, c), (kind, m, n, k, c), (kind, k, m, n, c)} <= set(update)
     # the LM head at the 4 completion positions: [4, 8] × [8, 32], dx [4, 32] × [32, 8], dW [8, 4] × [4, 32]
     assert {("lm_head", 4, 8, 32, 1), ("lm_head", 4, 32, 8, 1), ("lm_head", 8, 4, 32, 1)} <= set(update)
+
+
+def test_the_gpu_check_runs_on_the_cpu_and_reports_every_part():
+    """benchmarks/gpu_check.py --small: the script a GPU day runs, end to end on the tiny model."""
+    import gpu_check
+
+    result = gpu_check.main(["--small", "--tests", "tests/test_advantage.py::test_grpo_hand_vector"])
+    assert result["tests"]["exit"] == 0 and result["tests"]["passed"] == 1
+    job = result["default_job"]
+    assert job["exit"] == 0 and len(job["charts/reward_mean"]) == 2, job
+    assert job["old_logprobs"] == ("recompute" if result["environment"]["gpu"] else "sampler")
+    assert job["diag/logprob_diff_max"][0] < 1e-4               # float32 on a CPU: sampler and update agree
+    table = result["iteration_table_1"]
+    assert table["exit"] == 0, table
+    assert table["table_1"]["sampler_tokens_per_s"]["generate"] > 0, table
