@@ -4,6 +4,7 @@ stated before the runs.
     python -m experiments.claims c3                  # one claim: every arm × 3 seeds, then its PNG and table
     python -m experiments.claims all                 # the ten, in ORDER, then more seeds where unclear
     python -m experiments.claims c3 c9 --seeds 5     # several claims; more seeds
+    python -m experiments.claims c3 --jobs 2         # two runs at once, one torch thread each
     python -m experiments.claims c1 --smoke          # --config tiny, 2 iterations, 1 seed (the tests)
     python -m experiments.claims c2 --config gpu --iterations 200 --seeds 5     # the article's scale
 
@@ -73,6 +74,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -306,6 +308,19 @@ class RunFailed(Exception):
     pass
 
 
+RUNNING = set()         # the children of run_child now running (several with --jobs)
+STOPPING = []           # non-empty once SIGTERM came: the children are stopped, their attempts not counted
+
+
+def stop(*_):
+    """SIGTERM: stop every run this process waits for (forks of the fork server, which would outlive
+    it), then exit; with --jobs the other threads wake from their child's end."""
+    STOPPING.append(True)
+    for child in list(RUNNING):
+        child.terminate()
+    sys.exit(143)
+
+
 def child_run(argv, log_path, usage, threads):
     """One training run in a child of the fork server, on `threads` torch threads: train.py's main with
     its output appended to log_path; puts the child's (peak RSS in MiB, CPU seconds) into `usage`."""
@@ -342,6 +357,7 @@ def run_child(argv, log_path, pid_path, threads=THREADS):
     start = time.perf_counter()
     child = context.Process(target=child_run, args=(argv, log_path, usage, threads))
     child.start()
+    RUNNING.add(child)
     with open(pid_path, "w") as f:
         f.write(str(child.pid))
     try:
@@ -350,7 +366,10 @@ def run_child(argv, log_path, pid_path, threads=THREADS):
         if child.is_alive():                          # this process was interrupted: stop the run too
             child.terminate()
             child.join()
+        RUNNING.discard(child)
         os.remove(pid_path)
+    if STOPPING:                                      # killed with this process: not an attempt
+        raise RunFailed(f"{argv}: stopped")
     seconds = time.perf_counter() - start
     try:
         rss, cpu = usage.get(timeout=10)
@@ -450,6 +469,7 @@ class Setup:
     eval_every: int = EVAL_EVERY
     save_every: int = SAVE_EVERY
     threads: int = THREADS
+    jobs: int = 1               # runs of a claim at once (--jobs)
 
     def argv(self, claim, flags, seed):
         data = []
@@ -493,13 +513,13 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
     claim = CLAIMS[name]
     arms, sweep = resolve(claim, name, setup)
     arm_seeds = {arm: max(seeds, (arm_seeds or {}).get(arm, 0)) for arm in arms}
-    records = {}
-    for seed in range(max(arm_seeds.values())):                  # seed-major: every arm has seed 0 first
-        for arm, flags in arms.items():
-            if seed < arm_seeds[arm]:
-                records[(arm, seed)] = ensure_run(setup.argv(claim, flags, seed), setup.runs_root,
-                                                  f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}",
-                                                  setup.threads)
+    jobs = [(arm, seed) for seed in range(max(arm_seeds.values()))     # seed-major: every arm's seed 0 first
+            for arm in arms if seed < arm_seeds[arm]]
+    with ThreadPoolExecutor(setup.jobs) as pool:                       # --jobs runs at once, each its own child
+        futures = {(arm, seed): pool.submit(ensure_run, setup.argv(claim, arms[arm], seed), setup.runs_root,
+                                            f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}", setup.threads)
+                   for arm, seed in jobs}
+    records = {job: future.result() for job, future in futures.items()}   # the first failure, once all ended
     runs = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"), records[(arm, s)])
                   for s in range(arm_seeds[arm])] for arm in arms}
     os.makedirs(setup.results, exist_ok=True)
@@ -717,10 +737,15 @@ def parse_args(argv=None):
                                                 "experiments/runs and experiments/results)")
     p.add_argument("--threads", type=int, default=THREADS,
                    help=f"torch threads per run (default {THREADS}: see THREADS; 2 on a machine of one's own)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs of a claim at once, each on --threads threads (default 1; 2 on this 2-core "
+                        "machine when nothing else runs)")
     p.add_argument("--commit", action="store_true", help="git commit each claim's PNG and table when written")
     args = p.parse_args(argv)
+    if args.jobs < 1 or args.threads < 1:
+        p.error("--jobs and --threads must be at least 1")
     setup = Setup(RUNS, RESULTS, ["--config", args.config] if args.config else [], iterations=args.iterations,
-                  threads=args.threads)
+                  threads=args.threads, jobs=args.jobs)
     if args.smoke:
         args.seeds, args.max_seeds = 1, 0
         setup.iterations, setup.eval_every, setup.save_every = 2, 2, 1
@@ -762,7 +787,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # A SIGTERM unwinds like an exception, so that run_child stops the run it waits for (a fork of
-    # the fork server, which would otherwise outlive this process).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, stop)
     main()
