@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from grpo import checkpoints, distributed
 from grpo.cli import StageError, warn
@@ -25,8 +26,12 @@ class Critic:
 def adamw(model, lr, weight_decay=0.0, state_file=None):
     """AdamW over the model's trainable parameters (a LoRA policy's adapters), continuing from
     `state_file` (optimizer.safetensors) if given."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  weight_decay=weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # fused: one kernel a step instead of a dozen passes over every weight; on 2 CPU cores about 10×
+    # cheaper than torch's default for-loop for the default model (benchmarks/adamw.py), equal to it
+    # within float rounding. FSDP2's sharded DTensors keep torch's default.
+    fused = not any(isinstance(p, DTensor) for p in params) or None
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
     if state_file is not None:
         checkpoints.load_optimizer_state(model, optimizer, state_file)
     return optimizer
