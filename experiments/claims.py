@@ -408,6 +408,8 @@ def link(target, name):
 def ensure_run(argv, runs_root, name, label, threads=THREADS):
     """The record (experiment.json) of the finished run of `argv` (train.py flags, no --run-dir): found,
     finished with --resume, or run; linked as RUNS/`name`. Raises RunFailed."""
+    if STOPPING:                                      # SIGTERM came: start no other run
+        raise RunFailed(f"{label}: stopped")
     argv = canonical(argv)
     key = hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:12]
     run_dir = os.path.join(runs_root, "pool", key)
@@ -515,10 +517,13 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
     arm_seeds = {arm: max(seeds, (arm_seeds or {}).get(arm, 0)) for arm in arms}
     jobs = [(arm, seed) for seed in range(max(arm_seeds.values()))     # seed-major: every arm's seed 0 first
             for arm in arms if seed < arm_seeds[arm]]
-    with ThreadPoolExecutor(setup.jobs) as pool:                       # --jobs runs at once, each its own child
-        futures = {(arm, seed): pool.submit(ensure_run, setup.argv(claim, arms[arm], seed), setup.runs_root,
-                                            f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}", setup.threads)
-                   for arm, seed in jobs}
+    pool = ThreadPoolExecutor(setup.jobs)                              # --jobs runs at once, each its own child
+    futures = {(arm, seed): pool.submit(ensure_run, setup.argv(claim, arms[arm], seed), setup.runs_root,
+                                        f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}", setup.threads)
+               for arm, seed in jobs}
+    while not all(future.done() for future in futures.values()):
+        time.sleep(1)           # not a join, which would keep SIGTERM's handler (main thread only) from running
+    pool.shutdown()
     records = {job: future.result() for job, future in futures.items()}   # the first failure, once all ended
     runs = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"), records[(arm, s)])
                   for s in range(arm_seeds[arm])] for arm in arms}

@@ -1,12 +1,18 @@
 """experiments/: the rule that decides a claim (the t quantile against printed tables, Welch's interval
 against a hand computation, the verdict on hand-made numbers), a run's metrics on a hand-made run
 folder, the prompt set and the rewards the claims add, the plot tool's averaging over seeds on
-hand-made event files, resuming a run cut short, and every claim's experiment end to end on its smoke
-setting (the tiny model, 2 iterations, 1 seed), down to its PNG and table."""
+hand-made event files, resuming a run cut short, SIGTERM stopping every run of --jobs 2, and every
+claim's experiment end to end on its smoke setting (the tiny model, 2 iterations, 1 seed), down to
+its PNG and table."""
 
+import glob
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -227,6 +233,26 @@ def test_a_run_cut_short_is_finished_with_resume(tmp_path):
     assert not (run_dir / "policy").exists() and record["cpu_s"] > 0
     assert os.path.realpath(tmp_path / "c0" / "arm_seed0") == str(run_dir)
     assert claims.ensure_run(argv, str(tmp_path), "c0/arm_seed0", "again") == record     # finished: not rerun
+
+
+def test_sigterm_stops_every_run_of_jobs_2_and_counts_no_attempt(tmp_path):
+    """The runner's main thread waits for its --jobs threads without a join, so SIGTERM's handler runs:
+    both runs' children stop, no other run starts, and no attempt is recorded."""
+    runner = subprocess.Popen([sys.executable, "-m", "experiments.claims", "c3", "--smoke", "--out", str(tmp_path),
+                               "--jobs", "2"], cwd=claims.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pool = tmp_path / "runs" / "pool"
+    deadline = time.time() + 120
+    while len(glob.glob(str(pool / "*.pid"))) < 2 and runner.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    pids = [int(open(p).read()) for p in glob.glob(str(pool / "*.pid"))]
+    assert len(pids) == 2, "two runs at once"
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=60) == 143
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not glob.glob(str(pool / "*.attempts.json")) and not glob.glob(str(pool / "*.pid"))
+    assert not glob.glob(str(pool / "*" / "experiment.json"))
 
 
 @pytest.fixture(scope="module")
