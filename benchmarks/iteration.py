@@ -285,19 +285,27 @@ def wait_with_peak_rss(proc):
     return proc.returncode, peak_kb / 1024
 
 
-def run_project(args, model, run_dir, share):
-    """train.py in a child process; returns its iteration time, per-stage medians and peak RSS."""
-    total = args.warmup + args.save_every + 1          # one save cycle, then the last iteration (which always saves)
-    argv = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--run-dir", run_dir,
-            "--iterations", str(total), "--num-prompts", str(B), "--group-size", str(G), "--max-new-tokens", str(T),
-            "--temperature", str(TAU), "--beta", str(BETA), "--epochs", "1", "--eval-every", "0", "--ignore-eos",
-            "--save-every", str(args.save_every), "--device", args.device] + ([] if share else ["--no-prefix-sharing"])
+def run_train(argv, label="train.py"):
+    """`python train.py ARGV` in a child process as a user runs it, its stdout discarded; returns its
+    peak RSS in MB (wait_with_peak_rss). Exits with the child's stderr if it fails."""
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
         code, peak_rss_mb = wait_with_peak_rss(proc)
         err.seek(0)
         if code != 0:
-            sys.exit(f"train.py failed:\n{err.read()}")
+            sys.exit(f"{label} failed:\n{err.read()}")
+    return peak_rss_mb
+
+
+def run_project(args, model, run_dir, share):
+    """train.py in a child process; returns its iteration time, per-stage medians and peak RSS."""
+    total = args.warmup + args.save_every + 1          # one save cycle, then the last iteration (which always saves)
+    peak_rss_mb = run_train(["--model", model, "--run-dir", run_dir, "--iterations", str(total), "--num-prompts",
+                             str(B), "--group-size", str(G), "--max-new-tokens", str(T), "--temperature", str(TAU),
+                             "--beta", str(BETA), "--epochs", "1", "--eval-every", "0", "--ignore-eos",
+                             "--save-every", str(args.save_every), "--device", args.device,
+                             *([] if share else ["--no-prefix-sharing"])])
     metrics = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
     cycle = metrics[args.warmup:args.warmup + args.save_every]
     assert sum(m["iteration"] + 1 == args.save_every for m in cycle) == 1
