@@ -257,21 +257,74 @@ def left_pad(token_lists, pad_id):
 # Per-token log-probs
 
 def logprobs_from_logits(logits, tokens, temperature, with_entropy=False, entropy_grad=False):
-    """log softmax(logits / τ) at `tokens`, via logsumexp and gather (no [.., V] log-softmax kept).
+    """log softmax(logits / τ) at `tokens`: z_tok − logsumexp(z) with z = logits / τ.
 
-    logits [..., V], tokens [...] -> [...], in float32 whatever the forward pass ran in. With
-    `with_entropy`, also the entropy of each distribution from the same z: detached (a metric), or
-    with its gradient when `entropy_grad` (an entropy bonus in the loss).
+    logits [..., V], tokens [...] -> [...], in float32 whatever the forward pass ran in (float64
+    stays float64). With
+    `with_entropy`, also the entropy of each distribution, H = lse − Σ p·z: detached (a metric), or
+    with its gradient when `entropy_grad` (an entropy bonus in the loss). Computed a few rows at a
+    time (_TokenLogprobs), so that no [..., V] float32 tensor the size of the logits is ever made,
+    in the forward pass or the backward.
     """
-    z = logits.float() / temperature                                             # [..., V]
-    lse = z.logsumexp(-1)                                                        # [...]
-    logp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse                  # [...]
+    logp, entropy = _TokenLogprobs.apply(logits, tokens, temperature, with_entropy)
     if not with_entropy:
         return logp
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        p = (z - lse.unsqueeze(-1)).exp()                                        # [..., V] softmax(z)
-        entropy = lse - torch.einsum("...v,...v->...", p, z)                     # H = lse − Σ p z
-    return logp, entropy
+    return logp, entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach()
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """logprobs_from_logits in chunks of rows of the logits, with its backward written out:
+
+        ∂ log p_tok / ∂z_j = 1[j = tok] − p_j        ∂H / ∂z_j = −p_j·(log p_j + H)        ∂z/∂logits = 1/τ
+
+    The softmax p is recomputed chunk by chunk in the backward pass from the logits (which the LM
+    head's output already holds) and the saved lse, rather than kept: autograd through
+    log_softmax or logsumexp keeps or makes several [..., V] float32 tensors (z, the softmax, the
+    gather's scatter), the largest tensors of an update (benchmarks/logprobs.py)."""
+
+    CHUNK = 1 << 21                    # float32 elements of z a chunk holds at most (8 MB)
+
+    @staticmethod
+    def chunks(logits):
+        """Slices of the first dimension of logits [n, ..., V] holding at most CHUNK elements each."""
+        per_row = max(1, logits[:1].numel())
+        rows = max(1, _TokenLogprobs.CHUNK // per_row)
+        return [slice(i, i + rows) for i in range(0, logits.shape[0], rows)]
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, with_entropy):
+        dtype = torch.promote_types(logits.dtype, torch.float32)       # bf16 → float32; float64 stays
+        logp = torch.empty(tokens.shape, dtype=dtype, device=logits.device)          # [...]
+        lse = torch.empty_like(logp)                                                  # [...]
+        entropy = torch.zeros_like(logp)                                              # [...]
+        for rows in _TokenLogprobs.chunks(logits):
+            z = logits[rows].to(dtype) / temperature                                  # [c, ..., V]
+            lse[rows] = z.logsumexp(-1)
+            logp[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            if with_entropy:
+                p = (z - lse[rows].unsqueeze(-1)).exp_()                              # softmax(z)
+                entropy[rows] = lse[rows] - torch.einsum("...v,...v->...", p, z)     # H = lse − Σ p z
+        ctx.save_for_backward(logits, tokens, lse, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)          # a gradient left None (the entropy metric's) costs nothing
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)       # [..., V]
+        for rows in _TokenLogprobs.chunks(logits):
+            z = logits[rows].to(lse.dtype) / ctx.temperature                          # [c, ..., V]
+            log_p = z - lse[rows].unsqueeze(-1)                                       # log softmax(z)
+            p = log_p.exp()
+            g = torch.zeros_like(z)
+            if grad_logp is not None:
+                g -= grad_logp[rows].unsqueeze(-1) * p                                # −g·p_j
+                g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logp[rows].unsqueeze(-1))  # + g·1[j = tok]
+            if grad_entropy is not None:
+                g -= grad_entropy[rows].unsqueeze(-1) * p * (log_p + entropy[rows].unsqueeze(-1))
+            grad[rows] = g / ctx.temperature
+        return grad, None, None, None
 
 
 def autocast(device):

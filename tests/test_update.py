@@ -71,6 +71,25 @@ def test_aggregation_hand_vector(loss_agg, expected):
     assert split.item() == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1 << 21, 7, 1])       # one chunk; two rows of 4 × 11 at a time… one
+def test_log_probs_and_entropy_have_the_formulas_values_and_gradients_in_any_chunking(chunk, monkeypatch):
+    """modeling.logprobs_from_logits writes its backward out, chunk by chunk: its values are
+    log_softmax(x / τ) at the token and −Σ p log p, and its gradients (torch's finite differences,
+    float64) those of the formula, for the log-prob, the entropy bonus, and both at once."""
+    monkeypatch.setattr(modeling._TokenLogprobs, "CHUNK", chunk)
+    x = torch.randn(3, 4, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    tokens = torch.randint(11, (3, 4), generator=torch.Generator().manual_seed(1))
+    logp, entropy = modeling.logprobs_from_logits(x, tokens, 0.7, with_entropy=True, entropy_grad=True)
+    log_p = torch.log_softmax(x / 0.7, -1)
+    torch.testing.assert_close(logp, log_p.gather(-1, tokens[..., None])[..., 0])
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1))
+    assert torch.autograd.gradcheck(lambda x: modeling.logprobs_from_logits(x, tokens, 0.7), (x,))
+    assert torch.autograd.gradcheck(lambda x: modeling.logprobs_from_logits(
+        x, tokens, 1.3, with_entropy=True, entropy_grad=True)[1], (x,))
+    assert torch.autograd.gradcheck(lambda x: modeling.logprobs_from_logits(
+        x, tokens, 1.3, with_entropy=True, entropy_grad=True), (x,))
+
+
 def test_left_padding_does_not_change_logprobs(models):
     policy = modeling.load_model(models["policy"], "cpu")
     tok = modeling.load_tokenizer(models["policy"])
