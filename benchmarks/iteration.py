@@ -251,9 +251,10 @@ def sampler_rates(policy, ref, prompt_ids, prompt_mask, pad_id, reps, device):
                     policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), do_sample=True,
                                     temperature=TAU, top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
             else:
-                ids, mask, _, _ = sample.sample_completions(
-                    policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
-                    torch.Generator(device=device).manual_seed(0), share_prefix=name == "shared")
+                with modeling.decode_lm_head(policy):                  # as sample.rollout samples
+                    ids, mask, _, _ = sample.sample_completions(
+                        policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
+                        torch.Generator(device=device).manual_seed(0), share_prefix=name == "shared")
             sync(device)
             seconds[name].append(time.perf_counter() - t)
             if name == "shared":
@@ -398,9 +399,10 @@ def cell(model_dir, device, length, group_size, share):
     prompt_ids, prompt_mask = prompt_batch(tokenizer, device, 1, group_size, length)
     times = {}
     t = time.perf_counter()
-    ids, mask, logp, truncated = sample.sample_completions(
-        policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
-        torch.Generator(device=device).manual_seed(0), share_prefix=share)
+    with modeling.decode_lm_head(policy):
+        ids, mask, logp, truncated = sample.sample_completions(
+            policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
+            torch.Generator(device=device).manual_seed(0), share_prefix=share)
     rollouts = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids.clone(),
                 "completion_mask": mask.clone(), "old_logprobs": logp.clone(), "truncated": truncated.clone(),
                 "group_ids": torch.zeros(len(ids), dtype=torch.long)}

@@ -333,6 +333,39 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+# MKL's sgemm runs the decode step's LM head, [n × d] × [d × V] with a few dozen rows and V in the
+# tens of thousands, at under half the rate oneDNN (torch's other CPU library) does on the 2-core AMD
+# machine this project is measured on (benchmarks/lm_head.py); False: every product through MKL.
+ONEDNN_LM_HEAD = True
+
+
+@contextlib.contextmanager
+def decode_lm_head(model):
+    """Within this block, on a CPU, the model's LM head (a plain float32 nn.Linear) computes through
+    oneDNN on a copy of its weight in oneDNN's layout: torch.utils.mkldnn.MkldnnLinear's call, for
+    the sampler's inference-mode passes. Only the rounding of the logits changes (log-probs by about
+    1e-5, as the decode step already differs from a full forward pass); on a GPU, or with a head
+    that is anything else (a LoRA-wrapped one, bf16), nothing changes."""
+    bare = distributed.unwrap(model)
+    head = bare.get_output_embeddings() if hasattr(bare, "get_output_embeddings") else None
+    if not (ONEDNN_LM_HEAD and type(head) is torch.nn.Linear and head.weight.device.type == "cpu"
+            and head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
+        yield
+        return
+    weight = head.weight.detach().to_mkldnn()                                          # [V, d]
+    bias = (head.bias.detach() if head.bias is not None else head.weight.new_zeros(head.out_features)).to_mkldnn()
+
+    def forward(x):                                                                    # [..., d] -> [..., V]
+        y = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(), weight, bias)
+        return y.to_dense().view(*x.shape[:-1], -1)
+
+    head.forward = forward                     # the instance's forward, ahead of nn.Linear's
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def completion_outputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=False):
     """The model's outputs at the positions whose logits give each completion token (the last prompt
     token's for t = 0): [n, T', ...] with T' the completion columns any row uses, and the completion's

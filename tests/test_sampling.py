@@ -87,3 +87,25 @@ def test_the_knobs_are_recorded_and_checked(models, prompts_file, tmp_path):
         r = cli("sample.py", "--model", models["policy"], "--prompts", prompts_file, "--out", tmp_path / "x",
                 flag, value)
         assert r.code == 2 and flag in r.err and not (tmp_path / "x").exists()
+
+
+def test_the_onednn_lm_head_computes_the_same_logits_and_draws_and_is_removed_after(tiny, monkeypatch):
+    """modeling.decode_lm_head (sample.rollout's CPU LM head): the logits of F.linear within float32
+    rounding, the same completions for a seed, and nn.Linear's own forward again after the block."""
+    tok, policy, ids, mask = tiny
+    head = policy.get_output_embeddings()
+    x = torch.randn(5, 3, head.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = head(x)
+        with modeling.decode_lm_head(policy):
+            assert "forward" in vars(head)                       # the lever is on for this model
+            fast = head(x)
+            drawn = draw(tiny, 1.0)
+    assert "forward" not in vars(head)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    plain_drawn = draw(tiny, 1.0)
+    assert torch.equal(drawn[0], plain_drawn[0])
+    torch.testing.assert_close(drawn[2], plain_drawn[2], rtol=0, atol=1e-5)
+    monkeypatch.setattr(modeling, "ONEDNN_LM_HEAD", False)
+    with modeling.decode_lm_head(policy):
+        assert "forward" not in vars(head)
