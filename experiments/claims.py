@@ -29,7 +29,8 @@ greedy, rescored from eval/iter_XXXX.jsonl, so a shaped or noisy training reward
 evaluations); `acc[D]`, `acc_auc[D]` the same on the held-out prompts of difficulty D; `last5(KEY)`,
 `mean(KEY)`, `growth(KEY)` of a per-iteration key of iter_XXXX/metrics.json: the mean of the last
 5 iterations, of all, and the last 5 minus the first 3; `same_as_ref` the share of held-out answers
-identical to the reference's at the end; `peak_rss_gb`, `cpu_s_per_iter`.
+identical to the reference's at the end; `peak_rss_gb`; `cpu_s_per_iter`, the CPU seconds of the
+attempt that finished the run over the iterations it ran (Run.cpu_s).
 
 Runs and resuming. A run is named by its train.py flags: it lives in RUNS/pool/HASH, and each claim
 that uses it links it as RUNS/CLAIM/ARM_seedS (with its log ARM_seedS.log), so an arm shared by
@@ -38,8 +39,9 @@ is finished and never run again; a run cut short is finished with `train.py --re
 save; one that never saved starts over. A finished run keeps its iterations' files, eval/ and tb/;
 its policy/, checkpoints/ and critic_init/ (1.6 GB a save) are deleted. experiment.json records the
 run's wall and CPU seconds (user + sys of the child, on --threads torch threads, summed over its
-attempts; an attempt killed with this process is not counted) and peak RSS (the child's, which counts pages it shares with the fork
-server: compare arms within a claim). Each claim's results/CLAIM.png and CLAIM.md are written as soon
+attempts; an attempt killed with this process is not counted, so the tables take a run's CPU
+seconds at the rate of the attempt that finished it: Run.cpu_s) and peak RSS (the child's, which
+counts pages it shares with the fork server: compare arms within a claim). Each claim's results/CLAIM.png and CLAIM.md are written as soon
 as its runs are done (--commit commits them).
 
 Plan, on this 2-core machine when it is quiet: the default job about 12 s an iteration (README), a
@@ -565,6 +567,18 @@ class Run:
             return {step: accuracy(rows, match.group(1)) for step, rows in self.evals.items()}
         return {i: m[key] for i, m in self.iters.items() if isinstance(m.get(key), (int, float))}
 
+    def cpu_s(self):
+        """CPU seconds of the whole run, at the rate of the attempt that finished it: its CPU seconds
+        over the iterations it ran, times the run's iterations, plus any failed attempt's. An attempt
+        cut short with the process running it (a session's end) records nothing, so the attempts'
+        plain sum would count a resumed run's last iterations alone. A record without attempts, or
+        whose finishing attempt ran no iteration (its run had saved its last one), gives that sum."""
+        attempts, iterations = self.record.get("attempts"), self.record["iterations"]
+        if not attempts or attempts[-1]["from_iteration"] >= iterations:
+            return self.record["cpu_s"]
+        last, failed = attempts[-1], sum(a["cpu_s"] for a in attempts[:-1] if a["exit_code"] != 0)
+        return last["cpu_s"] / (iterations - last["from_iteration"]) * iterations + failed
+
     def metric(self, name):
         """One number of the run (module docstring); NaN where the run has none."""
         match = re.fullmatch(r"(acc)(_auc)?(\[\w+\])?", name)
@@ -588,7 +602,7 @@ class Run:
         if name == "peak_rss_gb":
             return self.record["peak_rss_mb"] / 1024
         if name == "cpu_s_per_iter":
-            return self.record["cpu_s"] / self.record["iterations"]
+            return self.cpu_s() / self.record["iterations"]
         raise ValueError(f"unknown run metric {name!r}")
 
     def samples_seen(self):
@@ -662,7 +676,7 @@ def summary_table(name, claim, arms, runs, sweep, setup):
     for arm, rs in runs.items():
         cells = [arm, " ".join(arms[arm]) or "–", str(len(rs))]
         cells += [mean_std([r.metric(m) for r in rs]) for m in metrics]
-        cells += [mean_std([r.record[k] / 60 for r in rs], 1) for k in ("wall_s", "cpu_s")]
+        cells += [mean_std([r.record["wall_s"] / 60 for r in rs], 1), mean_std([r.cpu_s() / 60 for r in rs], 1)]
         cells.append(mean_std([r.record["peak_rss_mb"] / 1024 for r in rs], 2))
         lines.append("| " + " | ".join(cells) + " |")
     if sweep:
@@ -672,12 +686,13 @@ def summary_table(name, claim, arms, runs, sweep, setup):
     every = {os.path.realpath(r.dir): r for rs in [*runs.values(), [row[3] for row in sweep[1]] if sweep else []]
              for r in rs}
     own = [r for r in every.values() if r.record["first_asked_by"].startswith(name + " ")]
-    hours = lambda rs, k: sum(r.record[k] for r in rs) / 3600                      # noqa: E731
+    hours = lambda rs, k: sum(r.cpu_s() if k == "cpu_s" else r.record[k] for r in rs) / 3600  # noqa: E731
     lines += ["", f"Compute: {len(every)} runs, {hours(every.values(), 'wall_s'):.2f} h wall and "
               f"{hours(every.values(), 'cpu_s'):.2f} h CPU; of these, {len(own)} runs first made for "
               f"{name} ({hours(own, 'wall_s'):.2f} h wall, {hours(own, 'cpu_s'):.2f} h CPU), the others "
               "shared with another claim. Wall time is inflated when the machine is shared; CPU is user + "
-              "sys of the run's process. Peak RSS counts pages shared with the fork server."]
+              "sys of the run's process, at the rate of the attempt that finished the run (Run.cpu_s). Peak "
+              "RSS counts pages shared with the fork server."]
     return "\n".join(lines) + "\n"
 
 

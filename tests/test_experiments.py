@@ -37,6 +37,22 @@ def test_t_cdf_at_fractional_degrees_of_freedom():
     assert stats.t_quantile(0.975, 3) < stats.t_quantile(0.975, 2.5) < stats.t_quantile(0.975, 2)
 
 
+def test_a_runs_cpu_seconds_scale_the_finishing_attempt_to_the_whole_run():
+    """Run.cpu_s: an attempt cut by a session's end records nothing, so a run resumed after
+    iteration 15 of 20 whose last attempt took 100 CPU-s took 400 at that rate; a failed attempt
+    adds its own; a last attempt that ran no iteration leaves the recorded sum."""
+    def run(attempts, iterations=20):
+        r = object.__new__(claims.Run)
+        r.record = {"attempts": attempts, "iterations": iterations, "cpu_s": sum(a["cpu_s"] for a in attempts)}
+        return r
+
+    assert run([{"from_iteration": 15, "cpu_s": 100.0, "exit_code": 0}]).cpu_s() == pytest.approx(400.0)
+    assert run([{"from_iteration": 0, "cpu_s": 30.0, "exit_code": 1},
+                {"from_iteration": 10, "cpu_s": 100.0, "exit_code": 0}]).cpu_s() == pytest.approx(230.0)
+    assert run([{"from_iteration": 0, "cpu_s": 50.0, "exit_code": 0}]).metric("cpu_s_per_iter") == pytest.approx(2.5)
+    assert run([{"from_iteration": 20, "cpu_s": 65.0, "exit_code": 0}]).cpu_s() == pytest.approx(65.0)
+
+
 def test_welch_interval_against_a_hand_computation():
     # a: mean 2, s² = 1; b: mean 0.5, s² = 0.25; n = 3 each. se² = 1/3 + 1/12 = 5/12;
     # ν = (5/12)² / ((1/3)²/2 + (1/12)²/2) = 2.9412; t_{0.975, 2.9412} = 3.21876 (mpmath: quad and findroot).
