@@ -200,19 +200,26 @@ def matmul_rates(shapes, device, seconds=0.05, windows=3):
     rates = {}
     for m, k, n in shapes:
         a, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
-        t = time.perf_counter()
-        torch.matmul(a, w.t())                               # warm-up, and how many calls fill a window
-        sync(device)
-        calls = max(1, int(seconds / max(time.perf_counter() - t, 1e-9)))
-        best = float("inf")
-        for _ in range(windows):
-            t = time.perf_counter()
-            for _ in range(calls):
-                torch.matmul(a, w.t())
-            sync(device)
-            best = min(best, (time.perf_counter() - t) / calls)
-        rates[(m, k, n)] = 2 * m * k * n / best / 1e9
+        rates[(m, k, n)] = 2 * m * k * n / sustained_seconds(lambda: torch.matmul(a, w.t()), device, seconds,
+                                                             windows) / 1e9
     return rates
+
+
+def sustained_seconds(f, device, seconds=0.05, windows=3):
+    """Seconds of one call of f, sustained: the best of `windows` back-to-back windows of at least
+    `seconds` of calls each (the first call warms up and says how many calls fill a window)."""
+    t = time.perf_counter()
+    f()
+    sync(device)
+    calls = max(1, int(seconds / max(time.perf_counter() - t, 1e-9)))
+    best = float("inf")
+    for _ in range(windows):
+        t = time.perf_counter()
+        for _ in range(calls):
+            f()
+        sync(device)
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best
 
 
 def compute_floor(config, B, P, G, T, device):

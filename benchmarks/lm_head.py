@@ -5,7 +5,8 @@ oneDNN (modeling.decode_lm_head, what sample.py's rollout uses).
     python benchmarks/lm_head.py --threads 1
 
 - The product alone: [n × d] × [d × V] at the decode step's n = 32 rows and at the update's
-  n = 32 × 23 rows, GFLOP/s of each library (best of 3 windows of 0.3 s).
+  n = 32 × 23 rows, GFLOP/s of each library (iteration.sustained_seconds: the best of 3 windows
+  of 0.3 s).
 - The sampler: sample.sample_completions on the default job's batch (B = 4 prompts × G = 8, 24
   new tokens, τ = 0.7, EOS ignored), with modeling.ONEDNN_LM_HEAD off and on, alternating, median
   of --reps each; whether the two drew the same tokens, and the largest difference of their
@@ -28,19 +29,11 @@ import torch  # noqa: E402
 
 import sample  # noqa: E402
 from grpo import builders, modeling  # noqa: E402
-from iteration import B, G, T, TAU, prompt_batch  # noqa: E402
+from iteration import B, G, T, TAU, prompt_batch, sustained_seconds  # noqa: E402
 
 
-def gflops(f, m, k, n, seconds=0.3, windows=3):
-    f()
-    best = 0.0
-    for _ in range(windows):
-        start, calls = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds:
-            f()
-            calls += 1
-        best = max(best, 2 * m * k * n * calls / (time.perf_counter() - start) / 1e9)
-    return best
+def gflops(f, m, k, n):
+    return 2 * m * k * n / sustained_seconds(f, torch.device("cpu"), seconds=0.3) / 1e9
 
 
 def main(argv=None):

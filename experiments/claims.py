@@ -686,10 +686,11 @@ def summary_table(name, claim, arms, runs, sweep, setup):
     every = {os.path.realpath(r.dir): r for rs in [*runs.values(), [row[3] for row in sweep[1]] if sweep else []]
              for r in rs}
     own = [r for r in every.values() if r.record["first_asked_by"].startswith(name + " ")]
-    hours = lambda rs, k: sum(r.cpu_s() if k == "cpu_s" else r.record[k] for r in rs) / 3600  # noqa: E731
-    lines += ["", f"Compute: {len(every)} runs, {hours(every.values(), 'wall_s'):.2f} h wall and "
-              f"{hours(every.values(), 'cpu_s'):.2f} h CPU; of these, {len(own)} runs first made for "
-              f"{name} ({hours(own, 'wall_s'):.2f} h wall, {hours(own, 'cpu_s'):.2f} h CPU), the others "
+    wall_h = lambda rs: sum(r.record["wall_s"] for r in rs) / 3600                 # noqa: E731
+    cpu_h = lambda rs: sum(r.cpu_s() for r in rs) / 3600                           # noqa: E731
+    lines += ["", f"Compute: {len(every)} runs, {wall_h(every.values()):.2f} h wall and "
+              f"{cpu_h(every.values()):.2f} h CPU; of these, {len(own)} runs first made for "
+              f"{name} ({wall_h(own):.2f} h wall, {cpu_h(own):.2f} h CPU), the others "
               "shared with another claim. Wall time is inflated when the machine is shared; CPU is user + "
               "sys of the run's process, at the rate of the attempt that finished the run (Run.cpu_s). Peak "
               "RSS counts pages shared with the fork server."]

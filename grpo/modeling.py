@@ -316,9 +316,10 @@ class _TokenLogprobs(torch.autograd.Function):
             z = logits[rows].to(lse.dtype) / ctx.temperature                          # [c, ..., V]
             log_p = z - lse[rows].unsqueeze(-1)                                       # log softmax(z)
             p = log_p.exp()
-            g = torch.zeros_like(z)
-            if grad_logp is not None:
-                g -= grad_logp[rows].unsqueeze(-1) * p                                # −g·p_j
+            if grad_logp is None:
+                g = torch.zeros_like(z)
+            else:
+                g = -grad_logp[rows].unsqueeze(-1) * p                                # −g·p_j
                 g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logp[rows].unsqueeze(-1))  # + g·1[j = tok]
             if grad_entropy is not None:
                 g -= grad_entropy[rows].unsqueeze(-1) * p * (log_p + entropy[rows].unsqueeze(-1))
