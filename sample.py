@@ -71,6 +71,19 @@ def truncate(z, top_k=0, top_p=1.0, min_p=0.0):
     return z
 
 
+def draw(probs, generator):
+    """One token per row of probs [n, V], as torch.multinomial(probs, 1) draws it: argmax_v p_v / q_v,
+    q_v ~ Exp(1). On a CPU the exponentials are exponential_'s own, -log1p(-u) of float64 uniforms in
+    order, made a whole batch at once: the same tokens for a seed in half the time
+    (tests/test_sampling.py, benchmarks/draw.py). Elsewhere: torch.multinomial."""
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if torch.isnan(probs).any():                                    # softmax of an inf or NaN logit
+        raise ValueError("probability tensor contains nan (the logits were not finite)")
+    u = torch.rand(probs.shape, dtype=torch.float64, generator=generator)              # [n, V]
+    return (probs / u.neg_().log1p_().neg_().to(probs.dtype)).argmax(-1)               # [n]
+
+
 @torch.inference_mode()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids, pad_id,
                        generator, progress=None, share_prefix=True, top_k=0, top_p=1.0, min_p=0.0):
@@ -92,7 +105,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     for step in range(max_new_tokens):
         logits = out[:, -1].float()                                                   # [n, V]
         probs = torch.softmax(truncate(logits / temperature, top_k, top_p, min_p), dim=-1)  # [n, V]
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)          # [n]
+        token = draw(probs, generator)                                                # [n]
         logprobs.append(modeling.logprobs_from_logits(logits, token, temperature))   # log π_old, [n]
         masks.append(~finished)
         tokens.append(torch.where(finished, pad_id, token))

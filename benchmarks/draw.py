@@ -1,32 +1,44 @@
-"""The sampler's draw of one token per row from softmax(logits / τ): torch.multinomial (what
-sample.py uses) against two draws that need one random number per row or fewer passes.
+"""The sampler's draw of one token per row from softmax(logits / τ): torch.multinomial against
+sample.draw (what sample.py uses: multinomial's own exponentials, made a batch at once) and two
+draws that need one random number per row or fewer passes.
 
     python benchmarks/draw.py                       # N = 32 rows × V = 49,152 (the default job's batch)
     python benchmarks/draw.py --rows 64 --threads 1
 
-- multinomial: `torch.multinomial(probs, 1)`, as sample.py draws (on a CPU it races one exponential
-  per vocabulary entry: N × V random numbers a step).
+- multinomial: `torch.multinomial(probs, 1)` (on a CPU it races one exponential per vocabulary
+  entry, N × V random numbers a step, made one call at a time).
+- sample.draw: the same race with the same exponentials (float64 uniforms in the generator's order,
+  -log1p(-u)) made by whole-tensor kernels: the same tokens as multinomial for a seed.
 - inverse CDF: one uniform per row, `searchsorted(cumsum(probs), u)`.
 - Gumbel-max: `argmax(logits / τ + Gumbel noise)`, N × V random numbers but no softmax.
 
 Each is timed from the logits of a step (the softmax included where the draw needs it), median of
---reps. All three are exact draws from the same distribution but consume the generator
-differently, so for one seed they give different tokens: adopting either would change every
-recorded run's completions (the default job's held-out numbers among them). Prints each one's
+--reps. All four are exact draws from the same distribution; the last two consume the generator
+differently, so for one seed they give other tokens than the first two: adopting either would
+change every recorded run's completions (the default job's held-out numbers among them). Prints each one's
 milliseconds a step and the seconds an iteration of the default job spends on it (23 drawn steps:
 the sampler draws T = 24 tokens and needs no forward after the last), then one JSON line.
 """
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sample  # noqa: E402
+
 
 def multinomial(logits, temperature, generator):
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)
+
+
+def batched_race(logits, temperature, generator):
+    return sample.draw(torch.softmax(logits / temperature, dim=-1), generator)
 
 
 def inverse_cdf(logits, temperature, generator):
@@ -40,7 +52,7 @@ def gumbel_max(logits, temperature, generator):
     return (logits / temperature - torch.log(-torch.log(u))).argmax(-1, keepdim=True)
 
 
-DRAWS = {"multinomial": multinomial, "inverse CDF": inverse_cdf, "Gumbel-max": gumbel_max}
+DRAWS = {"multinomial": multinomial, "sample.draw": batched_race, "inverse CDF": inverse_cdf, "Gumbel-max": gumbel_max}
 
 
 def main(argv=None):
