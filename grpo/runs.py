@@ -164,8 +164,6 @@ def model_paths(models, policy_path, i):
     return {"model": policy_path, "ref_model": models.base if models.ref else None, "critic": critic}
 
 
-
-
 def with_outputs(samples, rewards, components, skipped, advantages, completion_mask):
     """samples.jsonl's rows with the stages' outputs: "reward" (the weighted total, null for a skipped
     row), "rewards" (each function's, null where it does not apply) and "advantage" (A_i, or for PPO's
