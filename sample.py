@@ -72,16 +72,18 @@ def truncate(z, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def draw(probs, generator):
-    """One token per row of probs [n, V], as torch.multinomial(probs, 1) draws it: argmax_v p_v / q_v,
-    q_v ~ Exp(1). On a CPU the exponentials are exponential_'s own, -log1p(-u) of float64 uniforms in
-    order, made a whole batch at once: the same tokens for a seed in half the time
-    (tests/test_sampling.py, benchmarks/draw.py). Elsewhere: torch.multinomial."""
-    if probs.device.type != "cpu":
+    """One token per row of softmax probabilities [n, V], as torch.multinomial(probs, 1) draws it:
+    argmax_v p_v / q_v, q_v ~ Exp(1). For float32 on a CPU the exponentials are exponential_'s own,
+    -log1p(-u) of float64 uniforms in memory order, cast to float32 (the cast hides the last-bit
+    differences between torch's log1p and libm's), made a batch at once: the same tokens for a seed
+    in half the time (tests/test_sampling.py, benchmarks/draw.py). Otherwise torch.multinomial."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     if torch.isnan(probs).any():                                    # softmax of an inf or NaN logit
         raise ValueError("probability tensor contains nan (the logits were not finite)")
-    u = torch.rand(probs.shape, dtype=torch.float64, generator=generator)              # [n, V]
-    return (probs / u.neg_().log1p_().neg_().to(probs.dtype)).argmax(-1)               # [n]
+    u = torch.empty_like(probs, dtype=torch.float64).uniform_(generator=generator)      # [n, V]
+    q = -torch.log1p(-u)                                                                # Exp(1), [n, V]
+    return (probs / q.to(probs.dtype)).argmax(-1)                                       # [n]
 
 
 @torch.inference_mode()

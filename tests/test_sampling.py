@@ -114,7 +114,8 @@ def test_the_onednn_lm_head_computes_the_same_logits_and_draws_and_is_removed_af
 def test_the_draw_is_torch_multinomials_token_for_token_and_leaves_the_generator_where_it_does():
     """sample.draw on a CPU makes multinomial's exponentials a batch at once: for the same seed the
     same tokens as torch.multinomial(probs, 1), and the generator advanced by as much, on flat,
-    peaked and truncated (zero-probability) rows; a NaN row is an error, as multinomial's is."""
+    peaked, truncated (zero-probability) and column-major rows; a NaN row is an error, as
+    multinomial's is."""
     logits = torch.randn(6, 16, 5000, generator=torch.Generator().manual_seed(1))
     logits = logits * torch.tensor([0.1, 1.0, 3.0, 10.0, 30.0, 1.0])[:, None, None]       # flat to one-hot
     logits[5, :, 100:] = -torch.inf                                                     # truncated rows
@@ -122,6 +123,8 @@ def test_the_draw_is_torch_multinomials_token_for_token_and_leaves_the_generator
     for z in logits:
         probs = z.softmax(-1)                                                           # [16, 5000]
         assert torch.equal(sample.draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(-1))
+    probs = logits[2].softmax(-1).T.contiguous().T                                    # column-major [16, 5000]
+    assert torch.equal(sample.draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(-1))
     assert torch.equal(ours.get_state(), theirs.get_state())
     drawn = torch.stack([sample.draw(logits[1].softmax(-1), ours) for _ in range(200)])   # [200, 16]
     assert drawn.unique().numel() > 100                                # a flat row is not always argmax
