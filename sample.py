@@ -97,10 +97,13 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     """
     n = prompt_ids.shape[0]
     eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
-    # Each distinct prompt once, its KV cache expanded to its rows (or every row's own prompt).
-    prefilled = share_prefix and modeling.prefill(model, prompt_ids, prompt_mask)
-    out, cache, attention_mask, position_ids = prefilled or modeling.prefill(model, prompt_ids, prompt_mask,
-                                                                            share_prefix=False)
+    # Each distinct prompt once, its KV cache expanded to its rows (or every row's own prompt), with
+    # room for the completion: a step writes its keys and values in place (grpo/kv_cache.py).
+    room = max_new_tokens - 1
+    prefilled = share_prefix and modeling.prefill(model, prompt_ids, prompt_mask, room=room)
+    out, cache, prompt_attention, position_ids = prefilled or modeling.prefill(
+        model, prompt_ids, prompt_mask, share_prefix=False, room=room)
+    attention_mask = torch.cat([prompt_attention, prompt_attention.new_ones(n, room)], dim=1)  # [n, P'+room]
     next_position = position_ids[:, -1:] + 1                                          # [n, 1]
     finished = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)             # EOS already sampled
     tokens, masks, logprobs = [], [], []
@@ -116,10 +119,10 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
             progress.update(1)
         if finished.all() or step == max_new_tokens - 1:       # no forward whose logits go unused
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
+        columns = prompt_attention.shape[1] + step + 1                  # the prompt and tokens 0..step
         with modeling.autocast(prompt_ids.device):
-            out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
-                        past_key_values=cache, use_cache=True).logits
+            out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :columns],
+                        position_ids=next_position, past_key_values=cache, use_cache=True).logits
         next_position = next_position + 1
     completion_mask = torch.stack(masks, dim=1)                                       # [n, T]
     completion_ids = torch.stack(tokens, dim=1)                                       # [n, T]

@@ -474,10 +474,12 @@ def distinct_prompts(prompt_ids, prompt_mask):
 _UNSHAREABLE = weakref.WeakSet()       # models that turned out not to take a KV cache this way
 
 
-def prefill(model, prompt_ids, prompt_mask, share_prefix=True):
+def prefill(model, prompt_ids, prompt_mask, share_prefix=True, room=0):
     """Run the prompts into a KV cache for their rows: each distinct prompt once, its keys and values
     then gathered to the rows that have it (so the backward pass sums the rows' gradients into it),
-    or with share_prefix False every row's own.
+    or with share_prefix False every row's own. With `room` (the sampler's decode steps), the cache's
+    layers keep their keys and values in buffers with that many positions to spare
+    (kv_cache.preallocate), so a decode step writes its position instead of copying the cache.
 
     Returns the model's output at each row's last prompt token [n, 1, ...], the cache (n rows), and
     the attention mask [n, P'] and position ids [n, P'] of the prompt columns any row uses; or None
@@ -501,7 +503,7 @@ def prefill(model, prompt_ids, prompt_mask, share_prefix=True):
                     **_keep_last(model, 1))
     last = out.logits[:, -1:]                                                        # [U, 1, ...]
     if not share_prefix:
-        return last, cache, attention_mask, position_ids
+        return last, _with_room(cache, room), attention_mask, position_ids
     if cache.get_seq_length() != prompt_ids.shape[1] or any(type(layer) is not DynamicLayer
                                                             for layer in cache.layers):
         _UNSHAREABLE.add(bare)
@@ -509,7 +511,14 @@ def prefill(model, prompt_ids, prompt_mask, share_prefix=True):
                   f"share; computing each row's prompt itself (as --no-prefix-sharing)")
         return None
     cache.reorder_cache(inverse)                                      # index_select: rows ← their prompt
-    return last[inverse], cache, attention_mask, position_ids
+    return last[inverse], _with_room(cache, room), attention_mask, position_ids
+
+
+def _with_room(cache, room):
+    if not room:
+        return cache
+    from grpo import kv_cache                                           # imports transformers
+    return kv_cache.preallocate(cache, room)
 
 
 def shared_prefix_outputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask):

@@ -130,3 +130,47 @@ def test_the_draw_is_torch_multinomials_token_for_token_and_leaves_the_generator
     assert drawn.unique().numel() > 100                                # a flat row is not always argmax
     with pytest.raises(ValueError, match="nan"):
         sample.draw(torch.full((2, 5), torch.nan), ours)
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_the_preallocated_kv_cache_draws_what_the_concatenating_one_draws(tiny, monkeypatch, share_prefix):
+    """The sampler's cache (grpo/kv_cache.py) holds its keys and values in buffers made once; the
+    completions, masks and log π_old are bit for bit those of transformers' DynamicLayer, which
+    concatenates at every step, and every layer of the sampler's cache is a PreallocatedLayer."""
+    from grpo import kv_cache
+    made = []
+    monkeypatch.setattr(kv_cache, "preallocate", lambda cache, room, real=kv_cache.preallocate:
+                        made.append(real(cache, room)) or made[-1])
+    fast = draw(tiny, 1.0, share_prefix=share_prefix)
+    assert made and all(type(layer) is kv_cache.PreallocatedLayer for layer in made[0].layers)
+    monkeypatch.setattr(kv_cache, "preallocate", lambda cache, room: cache)
+    plain = draw(tiny, 1.0, share_prefix=share_prefix)
+    for a, b in zip(fast, plain):
+        assert torch.equal(a, b)
+
+
+def test_a_preallocated_layer_grows_past_its_room_and_follows_a_reorder():
+    """PreallocatedLayer.update past its room, after a crop and after a reorder (new key tensors)
+    returns what DynamicLayer's concatenation returns."""
+    from transformers.cache_utils import DynamicLayer
+
+    from grpo.kv_cache import PreallocatedLayer
+    g = torch.Generator().manual_seed(0)
+    step = lambda: (torch.randn(4, 2, 1, 8, generator=g), torch.randn(4, 2, 1, 8, generator=g))  # noqa: E731
+    plain = DynamicLayer()
+    plain.update(*step())
+    fast = PreallocatedLayer(plain, room=2)
+    plain = DynamicLayer()
+    plain.update(fast.keys.clone(), fast.values.clone())
+    for event in ["step", "step", "step", "crop", "step", "reorder", "step", "step"]:   # the 3rd step grows
+        if event == "step":
+            kv = step()
+            got, want = fast.update(*kv), plain.update(*kv)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            assert fast.keys.data_ptr() == fast.key_buffer.data_ptr()       # a view, not a copy
+        elif event == "crop":
+            fast.crop(-2), plain.crop(-2)
+        else:
+            order = torch.tensor([3, 0, 0, 1])
+            fast.reorder_cache(order), plain.reorder_cache(order)
+    assert fast.get_seq_length() == plain.get_seq_length() == 5               # 1 + 3 − 2 + 1 + 2
