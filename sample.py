@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from grpo import distributed, files, lora, modeling, settings
-from grpo.rollouts import concat_rollouts, pad_right
+from grpo.rollouts import concat_rollouts, sample_rows, stack_completions
 from grpo.settings import above, at_least, between
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
 
@@ -152,37 +152,23 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
-    chunks = {"completion_ids": [], "completion_mask": [], "old_logprobs": [], "truncated": []}
+    parts = []                                        # per micro-batch: ids, mask, log π_old, truncated
     with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
           modeling.decode_lm_head(policy)):                  # on a CPU through oneDNN: the same math, faster
         for rows in distributed.row_slices(N, args.micro_batch_size):
-            ids, mask, logp, truncated = sample_completions(
+            parts.append(sample_completions(
                 policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
                 eos_ids, tokenizer.pad_token_id, generator, progress=bar, share_prefix=args.prefix_sharing,
-                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-            for key, value in zip(chunks, (ids, mask, logp, truncated)):
-                chunks[key].append(value)
-    tensors = {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "group_ids": group_ids,
-        "completion_ids": pad_right(chunks["completion_ids"], tokenizer.pad_token_id),   # [N, T]
-        "completion_mask": pad_right(chunks["completion_mask"], False),                  # [N, T]
-        "old_logprobs": pad_right(chunks["old_logprobs"], 0.0),                          # [N, T]
-        "truncated": torch.cat(chunks["truncated"]),                                     # [N]
-    }
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p))
+    tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "group_ids": group_ids,
+               **stack_completions(parts, tokenizer.pad_token_id)}                       # [N, T] and [N]
     if ref_model is not None:
         tensors["ref_logprobs"] = modeling.rollout_logprobs(ref_model, tensors, args.temperature,
                                                             args.micro_batch_size, args.prefix_sharing)
     if critic is not None:
         tensors["values"] = modeling.rollout_values(critic, tensors, args.micro_batch_size,
                                                     args.prefix_sharing)                       # [N, T]
-
-    samples = []
-    for row in range(N):
-        b = row // G
-        completion = tokenizer.decode(tensors["completion_ids"][row][tensors["completion_mask"][row]],
-                                      skip_special_tokens=True)
-        samples.append(modeling.sample_row(records[b], b, texts[b], completion))
-    return tensors, samples
+    return tensors, sample_rows(tensors, records, texts, tokenizer)
 
 
 def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("prompts", None), critic=None):

@@ -18,7 +18,6 @@ the median seconds a step of each (of --reps rounds), the largest logit differen
 argmax agrees everywhere, then one JSON line. Needs a C++ compiler on a CPU (inductor builds C++).
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -35,8 +34,8 @@ import torch  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
 import sample  # noqa: E402
-from grpo import builders, modeling  # noqa: E402
-from iteration import B, G, T, TAU, prompt_batch  # noqa: E402
+from grpo import modeling  # noqa: E402
+from iteration import T, TAU, lever_setup  # noqa: E402
 
 
 @torch.inference_mode()
@@ -70,15 +69,8 @@ def decode(model, prompt_ids, prompt_mask, tokens=None, step_fn=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--reps", type=int, default=3, help="timed rounds of each (default 3)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or builders.default_model_dir()
-    tokenizer, model = modeling.load_tokenizer(model_dir), modeling.load_model(model_dir, "cpu")
-    prompt_ids, prompt_mask = prompt_batch(tokenizer, torch.device("cpu"), B, G)
+    args, tokenizer, model, (prompt_ids, prompt_mask) = lever_setup(__doc__.split("\n\n")[0], argv,
+                                                                    "timed rounds of each")
 
     def step(token, mask, position, cache, cache_position):
         return model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache,

@@ -45,31 +45,18 @@ def child(args):
     kept = args.child == "keep" and cli.keep_freed_memory()
     import torch
 
-    import sample
-    import update
-    from grpo import builders, modeling, optim
-    from iteration import B, BETA, G, T, TAU, prompt_batch
+    from grpo import builders, modeling
+    from iteration import B, G, iteration_stages, prompt_batch
 
     model_dir = args.model or builders.default_model_dir()
     tokenizer = modeling.load_tokenizer(model_dir)
     policy, ref = modeling.load_model(model_dir, "cpu"), modeling.load_model(model_dir, "cpu")
     prompt_ids, prompt_mask = prompt_batch(tokenizer, torch.device("cpu"), B, G)
-    uargs = update.parse_args(["--model", model_dir, "--rollouts", "-", "--advantages", "-", "--out", "-",
-                               "--beta", str(BETA), "--temperature", str(TAU), "--old-logprobs", "sampler"])
-    optimizer = optim.adamw(policy, 1e-6)
+    sampling, reference, update_step = iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask, G)
     for i in range(args.iterations):
-        def sampling():
-            with modeling.decode_lm_head(policy):                              # as sample.rollout samples
-                return sample.sample_completions(policy, prompt_ids, prompt_mask, T, TAU, [],
-                                                 tokenizer.pad_token_id, torch.Generator().manual_seed(i))
-
-        (ids, mask, logp, truncated), stats_sample = measured(sampling)
-        rollouts = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids,
-                    "completion_mask": mask, "old_logprobs": logp, "truncated": truncated,
-                    "group_ids": torch.arange(B).repeat_interleave(G)}
-        ref_logp, stats_ref = measured(lambda: modeling.rollout_logprobs(ref, rollouts, TAU, 0, share_prefix=True))
-        _, stats_update = measured(lambda: update.train_policy(policy, optimizer, {**rollouts, "ref_logprobs": ref_logp},
-                                                               torch.linspace(-1, 1, B * G), uargs))
+        rollouts, stats_sample = measured(lambda: sampling(i))
+        ref_logprobs, stats_ref = measured(lambda: reference(rollouts))
+        _, stats_update = measured(lambda: update_step(rollouts, ref_logprobs))
     with open("/proc/self/status") as status:
         peak_mb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
     print(json.dumps({"kept": kept, "threads": torch.get_num_threads(), "peak_rss_mb": peak_mb,

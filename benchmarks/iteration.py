@@ -92,6 +92,52 @@ def prompt_batch(tokenizer, device, num_prompts, group_size, length=None):
     return ids.repeat_interleave(group_size, 0).to(device), mask.repeat_interleave(group_size, 0).to(device)
 
 
+def lever_setup(description, argv, reps_help):
+    """What a lever's benchmark starts from: its flags (--model, --reps, --threads) parsed, torch's
+    threads set, and the tokenizer, the model (on the CPU) and the default job's prompt batch [N, P]."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--reps", type=int, default=3, help=f"{reps_help} (default 3)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or builders.default_model_dir()
+    tokenizer, model = modeling.load_tokenizer(model_dir), modeling.load_model(model_dir, "cpu")
+    return args, tokenizer, model, prompt_batch(tokenizer, torch.device("cpu"), B, G)
+
+
+def iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask, group_size, share=True):
+    """An iteration's three stages as train.py runs them, each a function of the one before:
+    sampling(seed) → a rollouts dict (sample.sample_completions with the oneDNN LM head, as
+    sample.rollout samples), reference(rollouts) → log π_ref [N, T] (the reference pass), and
+    update_step(rollouts, ref_logprobs): one update.train_policy step (forward, backward, AdamW at lr
+    1e-6, advantages spread over −1..1). What they return are ordinary tensors (inference mode's
+    outputs cloned), so the update can take them."""
+    device, N = prompt_ids.device, prompt_ids.shape[0]
+    uargs = update.parse_args(["--model", model_dir, "--rollouts", "-", "--advantages", "-", "--out", "-",
+                               "--beta", str(BETA), "--temperature", str(TAU), "--old-logprobs", "sampler"]
+                              + ([] if share else ["--no-prefix-sharing"]))
+    optimizer = optim.adamw(policy, 1e-6)
+
+    def sampling(seed):
+        with modeling.decode_lm_head(policy):
+            ids, mask, logp, truncated = sample.sample_completions(
+                policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
+                torch.Generator(device=device).manual_seed(seed), share_prefix=share)
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids.clone(),
+                "completion_mask": mask.clone(), "old_logprobs": logp.clone(), "truncated": truncated.clone(),
+                "group_ids": torch.arange(N // group_size, device=device).repeat_interleave(group_size)}
+
+    def reference(rollouts):
+        return modeling.rollout_logprobs(ref, rollouts, TAU, 0, share_prefix=share).clone()        # [N, T]
+
+    def update_step(rollouts, ref_logprobs):
+        rollouts = {k: v.cpu() for k, v in {**rollouts, "ref_logprobs": ref_logprobs}.items()}
+        update.train_policy(policy, optimizer, rollouts, torch.linspace(-1, 1, N), uargs)
+
+    return sampling, reference, update_step
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -404,25 +450,16 @@ def cell(model_dir, device, length, group_size, share):
     tokenizer = modeling.load_tokenizer(model_dir)
     policy, ref = modeling.load_model(model_dir, device), modeling.load_model(model_dir, device)
     prompt_ids, prompt_mask = prompt_batch(tokenizer, device, 1, group_size, length)
+    sampling, reference, update_step = iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
+                                                        group_size, share)
     times = {}
     t = time.perf_counter()
-    with modeling.decode_lm_head(policy):
-        ids, mask, logp, truncated = sample.sample_completions(
-            policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
-            torch.Generator(device=device).manual_seed(0), share_prefix=share)
-    rollouts = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids.clone(),
-                "completion_mask": mask.clone(), "old_logprobs": logp.clone(), "truncated": truncated.clone(),
-                "group_ids": torch.zeros(len(ids), dtype=torch.long)}
-    rollouts["ref_logprobs"] = modeling.rollout_logprobs(ref, rollouts, TAU, 0, share).clone()
+    rollouts = sampling(0)
+    ref_logprobs = reference(rollouts)
     sync(device)
     times["sample"] = time.perf_counter() - t
-    uargs = update.parse_args(["--model", model_dir, "--rollouts", "-", "--advantages", "-", "--out", "-",
-                               "--beta", str(BETA), "--temperature", str(TAU), "--old-logprobs", "sampler"]
-                              + ([] if share else ["--no-prefix-sharing"]))
-    rollouts = {k: v.cpu() for k, v in rollouts.items()}
-    advantages = torch.linspace(-1, 1, len(ids))
     t = time.perf_counter()
-    update.train_policy(policy, optim.adamw(policy, 1e-6), rollouts, advantages, uargs)
+    update_step(rollouts, ref_logprobs)
     sync(device)
     times["update"] = time.perf_counter() - t
     print(json.dumps({"prompt_tokens": prompt_ids.shape[1], **times}))

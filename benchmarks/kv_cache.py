@@ -13,7 +13,6 @@ and whether the two drew the same tokens and log π_old bit for bit. Prints a li
 JSON line.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -28,23 +27,16 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import sample  # noqa: E402
-from grpo import builders, kv_cache, modeling  # noqa: E402
-from iteration import B, G, T, TAU, prompt_batch  # noqa: E402
+from grpo import kv_cache, modeling  # noqa: E402
+from iteration import B, G, T, TAU, lever_setup  # noqa: E402
 
 PREALLOCATE = kv_cache.preallocate
 CACHES = {"concatenating": lambda cache, room: cache, "preallocated": PREALLOCATE}
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--reps", type=int, default=3, help="timed sampler runs of each (default 3)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or builders.default_model_dir()
-    tokenizer, policy = modeling.load_tokenizer(model_dir), modeling.load_model(model_dir, "cpu")
-    prompt_ids, prompt_mask = prompt_batch(tokenizer, torch.device("cpu"), B, G)
+    args, tokenizer, policy, (prompt_ids, prompt_mask) = lever_setup(__doc__.split("\n\n")[0], argv,
+                                                                    "timed sampler runs of each")
 
     def run(name, seed):
         kv_cache.preallocate = CACHES[name]

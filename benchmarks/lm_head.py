@@ -14,7 +14,6 @@ oneDNN (modeling.decode_lm_head, what sample.py's rollout uses).
 Prints a line each, then one JSON line.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -28,8 +27,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 import sample  # noqa: E402
-from grpo import builders, modeling  # noqa: E402
-from iteration import B, G, T, TAU, prompt_batch, sustained_seconds  # noqa: E402
+from grpo import modeling  # noqa: E402
+from iteration import B, G, T, TAU, lever_setup, sustained_seconds  # noqa: E402
 
 
 def gflops(f, m, k, n):
@@ -37,14 +36,8 @@ def gflops(f, m, k, n):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--reps", type=int, default=3, help="timed sampler runs of each (default 3)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or builders.default_model_dir()
-    tokenizer, policy = modeling.load_tokenizer(model_dir), modeling.load_model(model_dir, "cpu")
+    args, tokenizer, policy, (prompt_ids, prompt_mask) = lever_setup(__doc__.split("\n\n")[0], argv,
+                                                                    "timed sampler runs of each")
     head = policy.get_output_embeddings()
     results = {"threads": args.threads, "product_gflop_s": {}}
     for rows in (B * G, B * G * (T - 1)):
@@ -57,7 +50,6 @@ def main(argv=None):
         results["product_gflop_s"][f"{m}x{k}x{n}"] = {"mkl": mkl, "onednn": onednn}
         print(f"LM head {m} × {k} × {n}: MKL {mkl:6.1f} GFLOP/s, oneDNN {onednn:6.1f} GFLOP/s", flush=True)
 
-    prompt_ids, prompt_mask = prompt_batch(tokenizer, torch.device("cpu"), B, G)
     seconds, outputs = {False: [], True: []}, {}
     for rep in range(args.reps + 1):                                   # the first round warms up
         for on in (False, True):

@@ -31,10 +31,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import sample  # noqa: E402
-import update  # noqa: E402
-from grpo import builders, modeling, optim  # noqa: E402
-from iteration import B, BETA, G, T, TAU, floor_once, prompt_batch  # noqa: E402
+from grpo import builders, modeling  # noqa: E402
+from iteration import B, G, floor_once, iteration_stages, prompt_batch  # noqa: E402
 
 PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_linear"}
 
@@ -59,30 +57,11 @@ def main(argv=None):
     tokenizer = modeling.load_tokenizer(model_dir)
     policy, ref = modeling.load_model(model_dir, "cpu"), modeling.load_model(model_dir, "cpu")
     prompt_ids, prompt_mask = prompt_batch(tokenizer, torch.device("cpu"), B, G)
+    sampling, reference, update_step = iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask, G)
     out = {}
-
-    def sampling():
-        with modeling.decode_lm_head(policy):                              # as sample.rollout samples
-            out["sample"] = sample.sample_completions(policy, prompt_ids, prompt_mask, T, TAU, [],
-                                                      tokenizer.pad_token_id, torch.Generator().manual_seed(0))
-
-    def rollouts():
-        ids, mask, logp, truncated = (t.clone() for t in out["sample"])
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids, "completion_mask": mask,
-                "old_logprobs": logp, "truncated": truncated, "group_ids": torch.arange(B).repeat_interleave(G)}
-
-    def reference():
-        out["ref"] = modeling.rollout_logprobs(ref, rollouts(), TAU, 0, share_prefix=True).clone()
-
-    uargs = update.parse_args(["--model", model_dir, "--rollouts", "-", "--advantages", "-", "--out", "-",
-                               "--beta", str(BETA), "--temperature", str(TAU), "--old-logprobs", "sampler"])
-    optimizer = optim.adamw(policy, 1e-6)
-
-    def update_step():
-        update.train_policy(policy, optimizer, {**rollouts(), "ref_logprobs": out["ref"]},
-                            torch.linspace(-1, 1, B * G), uargs)
-
-    stages = {"sampling": sampling, "reference pass": reference, "update": update_step}
+    stages = {"sampling": lambda: out.update(rollouts=sampling(0)),                 # each on the last's output
+              "reference pass": lambda: out.update(ref=reference(out["rollouts"])),
+              "update": lambda: update_step(out["rollouts"], out["ref"])}
     measured = {name: [] for name in stages}
     for rep in range(args.reps + 1):                                      # the first round warms up
         for name, fn in stages.items():

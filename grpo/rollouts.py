@@ -1,6 +1,7 @@
-"""The rollouts dict of sample.py's file, as whole groups: stacked from several parts (torchrun's ranks,
-DAPO's sampling rounds), prompts re-padded on the left, completions on the right, groups renumbered;
-and DAPO's dynamic sampling, which keeps the groups whose rewards differ over several rounds.
+"""The rollouts dict of sample.py's file: the sampler's micro-batches stacked into its columns, and
+samples.jsonl's rows; whole groups stacked from several parts (torchrun's ranks, DAPO's sampling
+rounds), prompts re-padded on the left, completions on the right, groups renumbered; and DAPO's
+dynamic sampling, which keeps the groups whose rewards differ over several rounds.
 """
 
 import torch
@@ -12,6 +13,22 @@ def pad_right(tensors, value):
     """Stack [n_i, T_i] chunks into [sum n_i, max T_i], padding on the right."""
     T = max(t.shape[1] for t in tensors)
     return torch.cat([modeling.pad_columns(t, T, value) for t in tensors])
+
+
+def stack_completions(parts, pad_id):
+    """The sampler's micro-batches, (completion_ids, completion_mask, logprobs, truncated) each, as
+    the rollouts' completion columns: [N, T] padded on the right to the longest, truncated [N]."""
+    ids, masks, logprobs, truncated = zip(*parts)
+    return {"completion_ids": pad_right(ids, pad_id), "completion_mask": pad_right(masks, False),
+            "old_logprobs": pad_right(logprobs, 0.0), "truncated": torch.cat(truncated)}
+
+
+def sample_rows(rollouts, records, texts, tokenizer):
+    """samples.jsonl's rows: each row's group, prompt text and decoded completion (up to and
+    including its EOS, special tokens skipped) beside its record's fields."""
+    groups = rollouts["group_ids"].tolist()
+    return [modeling.sample_row(records[b], b, texts[b], tokenizer.decode(ids[mask], skip_special_tokens=True))
+            for b, ids, mask in zip(groups, rollouts["completion_ids"], rollouts["completion_mask"])]
 
 
 def concat_rollouts(parts, pad_id):
