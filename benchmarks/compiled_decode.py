@@ -88,7 +88,8 @@ def main(argv=None):
     diff = (compiled_logits - eager_logits).abs().max().item()
     same_argmax = torch.equal(compiled_logits.argmax(-1), eager_logits.argmax(-1))
     results = {"threads": args.threads, "compile_s": compile_s, "later_first_steps_s": first_steps,
-               "same_argmax": same_argmax, "max_logit_diff": diff, "step_s": {k: statistics.median(v) for k, v in step_s.items()}}
+               "same_argmax": same_argmax, "max_logit_diff": diff,
+               "step_s": {k: statistics.median(v) for k, v in step_s.items()}}
     print(f"first compiled step (compiling, cold caches): {compile_s:.1f} s; the first step of each later "
           f"round: {', '.join(f'{s:.2f}' for s in first_steps)} s")
     for name, s in results["step_s"].items():
