@@ -8,9 +8,9 @@ uses).
 sample.sample_completions as sample.rollout runs it (prefix sharing, the oneDNN LM head, τ = 0.7,
 EOS ignored), the concatenating cache and the preallocated one alternating, median of --reps each
 after a warm-up round, and the median of the paired differences (each round's two runs back to
-back, so a slow patch of the machine slows both); the self time of aten::cat in one further run of each under torch.profiler;
-and whether the two drew the same tokens and log π_old bit for bit. Prints a line each, then one
-JSON line.
+back, so a slow patch of the machine slows both); the self time of aten::cat in one further run of
+each under torch.profiler; and whether the two drew the same tokens and log π_old bit for bit.
+Prints a line each, then one JSON line.
 """
 
 import json
