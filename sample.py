@@ -154,7 +154,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
 
     parts = []                                        # per micro-batch: ids, mask, log π_old, truncated
     with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
-          modeling.decode_lm_head(policy)):                  # on a CPU through oneDNN: the same math, faster
+          modeling.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed weights
         for rows in distributed.row_slices(N, args.micro_batch_size):
             parts.append(sample_completions(
                 policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,

@@ -120,7 +120,7 @@ def iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
     optimizer = optim.adamw(policy, 1e-6)
 
     def sampling(seed):
-        with modeling.decode_lm_head(policy):
+        with modeling.decode_linears(policy, prompt_ids.shape[0]):
             ids, mask, logp, truncated = sample.sample_completions(
                 policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
                 torch.Generator(device=device).manual_seed(seed), share_prefix=share)
@@ -304,7 +304,7 @@ def sampler_rates(policy, ref, prompt_ids, prompt_mask, pad_id, reps, device):
                     policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), do_sample=True,
                                     temperature=TAU, top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
             else:
-                with modeling.decode_lm_head(policy):                  # as sample.rollout samples
+                with modeling.decode_linears(policy, prompt_ids.shape[0]):         # as sample.rollout samples
                     ids, mask, _, _ = sample.sample_completions(
                         policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
                         torch.Generator(device=device).manual_seed(0), share_prefix=name == "shared")

@@ -40,7 +40,7 @@ def main(argv=None):
 
     def run(name, seed):
         kv_cache.preallocate = CACHES[name]
-        with modeling.decode_lm_head(policy):
+        with modeling.decode_linears(policy, prompt_ids.shape[0]):
             return sample.sample_completions(policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
                                              torch.Generator().manual_seed(seed))
 

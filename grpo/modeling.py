@@ -333,38 +333,45 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-# MKL's sgemm runs the decode step's LM head, [n × d] × [d × V] with a few dozen rows and V in the
-# tens of thousands, at under half the rate oneDNN (torch's other CPU library) does on the 2-core AMD
-# machine this project is measured on (benchmarks/lm_head.py); False: every product through MKL.
-ONEDNN_LM_HEAD = True
+# MKL's sgemm runs the decode step's products, a few dozen rows against each weight, well below the
+# rate oneDNN reaches on a weight packed once into its own layout (benchmarks/decode_linears.py, on
+# the 2-core AMD machine this project is measured on); False: every product through MKL.
+ONEDNN_DECODE = True
 
 
 @contextlib.contextmanager
-def decode_lm_head(model):
-    """Within this block, on a CPU, the model's LM head (a plain float32 nn.Linear) computes through
-    oneDNN on a copy of its weight in oneDNN's layout: torch.utils.mkldnn.MkldnnLinear's call, for
-    the sampler's inference-mode passes. Only the rounding of the logits changes: on the default
-    job's batch, the same tokens and log π_old within 6.1e-5 (benchmarks/lm_head.py), the order by
-    which a decode step already differs from a full forward pass. On a GPU, or with a head that is
-    anything else (a LoRA-wrapped one, bf16), nothing changes."""
+def decode_linears(model, rows):
+    """Within this block, on a CPU, every plain float32 nn.Linear of the model (the LM head included)
+    computes through oneDNN on a copy of its weight packed once for products of about `rows` rows
+    (torch.ops.mkldnn._reorder_linear_weight and _linear_pointwise: what torch.compile's CPU backend
+    calls for a frozen linear), for the sampler's inference-mode passes. Only the rounding changes,
+    by the order in which a decode step already differs from a full forward pass (the numbers in
+    docs/performance.md); the packed copies (the model's size again) live for the block. On a GPU,
+    and for any other layer (LoRA's adapters, bf16 weights), nothing changes."""
     bare = distributed.unwrap(model)
-    head = bare.get_output_embeddings() if hasattr(bare, "get_output_embeddings") else None
-    if not (ONEDNN_LM_HEAD and type(head) is torch.nn.Linear and head.weight.device.type == "cpu"
-            and head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
+    linears = [m for m in bare.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+               and m.weight.dtype == torch.float32]
+    if not (ONEDNN_DECODE and linears and torch.backends.mkldnn.is_available()):
         yield
         return
-    weight = head.weight.detach().to_mkldnn()                                          # [V, d]
-    bias = (head.bias.detach() if head.bias is not None else head.weight.new_zeros(head.out_features)).to_mkldnn()
-
-    def forward(x):                                                                    # [..., d] -> [..., V]
-        y = torch._C._nn.mkldnn_linear(x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn(), weight, bias)
-        return y.to_dense().view(*x.shape[:-1], -1)
-
-    head.forward = forward                     # the instance's forward, ahead of nn.Linear's
+    for linear in linears:
+        linear.forward = _packed_forward(linear, rows)      # the instance's forward, ahead of nn.Linear's
     try:
         yield
     finally:
-        del head.forward
+        for linear in linears:
+            del linear.forward
+
+
+def _packed_forward(linear, rows):
+    weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)   # [d_out, d_in], packed
+    bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(x):                                                          # [..., d_in] -> [..., d_out]
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias,
+                                               "none", [], "")
+        return y.view(*x.shape[:-1], -1)
+    return forward
 
 
 def completion_outputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=False):

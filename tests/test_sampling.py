@@ -89,26 +89,29 @@ def test_the_knobs_are_recorded_and_checked(models, prompts_file, tmp_path):
         assert r.code == 2 and flag in r.err and not (tmp_path / "x").exists()
 
 
-def test_the_onednn_lm_head_computes_the_same_logits_and_draws_and_is_removed_after(tiny, monkeypatch):
-    """modeling.decode_lm_head (sample.rollout's CPU LM head): the logits of F.linear within float32
-    rounding, the same completions for a seed, and nn.Linear's own forward again after the block."""
+def test_the_packed_onednn_products_give_the_same_logits_and_draws_and_are_removed_after(tiny, monkeypatch):
+    """modeling.decode_linears (sample.rollout's CPU products): every plain linear of the model, the
+    LM head included, within float32 rounding of F.linear at the decode step's rows and at a
+    prefill's, the same completions for a seed, and nn.Linear's own forward again after the block."""
     tok, policy, ids, mask = tiny
-    head = policy.get_output_embeddings()
-    x = torch.randn(5, 3, head.in_features, generator=torch.Generator().manual_seed(0))
+    linears = [m for m in policy.modules() if type(m) is torch.nn.Linear]
+    assert policy.get_output_embeddings() in linears and len(linears) > 1
+    x = {m: torch.randn(5, 3, m.in_features, generator=torch.Generator().manual_seed(0)) for m in linears}
     with torch.inference_mode():
-        plain = head(x)
-        with modeling.decode_lm_head(policy):
-            assert "forward" in vars(head)                       # the lever is on for this model
-            fast = head(x)
+        plain = {m: m(x[m]) for m in linears}
+        with modeling.decode_linears(policy, 24):
+            assert all("forward" in vars(m) for m in linears)                # the lever is on for this model
+            fast = {m: m(x[m]) for m in linears}
             drawn = draw(tiny, 1.0)
-    assert "forward" not in vars(head)
-    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    assert not any("forward" in vars(m) for m in linears)
+    for m in linears:
+        torch.testing.assert_close(fast[m], plain[m], rtol=1e-5, atol=1e-5)
     plain_drawn = draw(tiny, 1.0)
     assert torch.equal(drawn[0], plain_drawn[0])
     torch.testing.assert_close(drawn[2], plain_drawn[2], rtol=0, atol=1e-5)
-    monkeypatch.setattr(modeling, "ONEDNN_LM_HEAD", False)
-    with modeling.decode_lm_head(policy):
-        assert "forward" not in vars(head)
+    monkeypatch.setattr(modeling, "ONEDNN_DECODE", False)
+    with modeling.decode_linears(policy, 24):
+        assert not any("forward" in vars(m) for m in linears)
 
 
 def test_the_draw_is_torch_multinomials_token_for_token_and_leaves_the_generator_where_it_does():
