@@ -25,6 +25,8 @@ Choices where the paper and docs/formats.md are silent:
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
+  On a CPU its products run through oneDNN on packed weights (modeling.decode_linears), which
+  changes only rounding (log π_old within 6.5e-5 of MKL's: benchmarks/decode_linears.py).
 - The G rows of a group share their prompt: each distinct prompt of a micro-batch is prefilled
   once and its KV cache expanded to its rows (modeling.prefill), and the reference and critic
   passes run the same way; --no-prefix-sharing runs every row's own prompt, for the same numbers.
