@@ -34,7 +34,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from grpo import builders, modeling  # noqa: E402
 from iteration import B, G, floor_once, iteration_stages, prompt_batch  # noqa: E402
 
-PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_linear"}
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_linear",
+            "mkldnn::_linear_pointwise"}                     # the last: modeling.decode_linears
 
 
 def profiled(fn):

@@ -346,8 +346,9 @@ def decode_linears(model, rows):
     (torch.ops.mkldnn._reorder_linear_weight and _linear_pointwise: what torch.compile's CPU backend
     calls for a frozen linear), for the sampler's inference-mode passes. Only the rounding changes,
     by the order in which a decode step already differs from a full forward pass (the numbers in
-    docs/performance.md); the packed copies (the model's size again) live for the block. On a GPU,
-    and for any other layer (LoRA's adapters, bf16 weights), nothing changes."""
+    docs/performance.md); the packed copies (the model's size again) live for the block. Under LoRA
+    the wrappers stay and the plain linears inside them (the base layer, lora_A, lora_B) are packed
+    like any other. On a GPU, and for any other layer (bf16 weights, quantised ones), nothing changes."""
     bare = distributed.unwrap(model)
     linears = [m for m in bare.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32]

@@ -120,6 +120,27 @@ def test_the_merged_checkpoint_computes_what_base_and_adapters_do(lora_run, tmp_
         torch.testing.assert_close(merged(ids).logits, policy(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_the_samplers_packed_products_reach_the_adapters_and_compute_what_peft_does(lora_run):
+    """modeling.decode_linears under LoRA (sample.rollout's CPU products): the base layer and both
+    adapters of every wrapped linear are packed, and the trained adapters' logits are peft's own
+    within float32 rounding."""
+    from argparse import Namespace
+
+    policy = lora.load_policy(str(lora_run / "policy"), "cpu", Namespace(trust_remote_code=False))
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    with torch.inference_mode():
+        plain = policy(input_ids=ids).logits
+        with modeling.decode_linears(policy, 2):
+            packed = {name.rsplit(".", 2)[-2] if ".default" in name else name.rsplit(".", 1)[-1]
+                      for name, m in policy.named_modules() if "forward" in vars(m)}
+            fast = policy(input_ids=ids).logits
+            with policy.disable_adapter():
+                base = policy(input_ids=ids).logits
+    assert {"base_layer", "lora_A", "lora_B"} <= packed
+    assert (plain - base).abs().max() > 1e-2                            # the trained adapters count
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_lora_flags_are_checked(models, tmp_path):
     base = ["--model", models["policy"], "--rollouts", "r", "--advantages", "a", "--out", tmp_path / "o"]
     for flags, fragment in [(["--lora-r", -1], "--lora-r must be ≥ 0"), (["--lora-alpha", 0], "--lora-alpha"),
