@@ -8,14 +8,16 @@ buffers, so attention reads the same numbers and the step copies only the new po
 only where a cache is made (modeling.prefill), since it imports transformers.
 """
 
+import torch
 from transformers.cache_utils import DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
     """A DynamicLayer whose keys and values [n, H, S, d] are views of the front of buffers
     [n, H, S + room, d]. update() copies the new positions into the buffers and widens the views.
-    Where the room runs out, or something replaced the keys (a reorder or a batch select: new
-    tensors), it makes new buffers from what the layer holds, so it is never wrong, only slower."""
+    Where the room runs out, or something replaced the keys (a reorder, a batch select: anything but
+    the front of the buffer, which a crop leaves), it makes new buffers from what the layer holds, so
+    it is never wrong, only slower. The writes are in place: for passes without gradients only."""
 
     def __init__(self, layer, room):
         super().__init__()
@@ -32,12 +34,19 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
-        if end > self.key_buffer.shape[-2] or self.keys.data_ptr() != self.key_buffer.data_ptr():
+        if end > self.key_buffer.shape[-2] or not self._holds_front():
             self._new_buffers(max(end - start, self.room))
         self.key_buffer[:, :, start:end] = key_states
         self.value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]   # [n, H, end, d]
         return self.keys, self.values
+
+    def _holds_front(self):
+        """Whether the keys are still the buffer's first positions (a slice of rows or heads, which a
+        batch select can make, starts at the same address but is not)."""
+        return (self.keys.data_ptr() == self.key_buffer.data_ptr()
+                and self.keys.shape[:2] == self.key_buffer.shape[:2]
+                and self.keys.stride() == self.key_buffer.stride())
 
 
 def _with_room(x, room):
@@ -49,7 +58,10 @@ def _with_room(x, room):
 
 def preallocate(cache, room):
     """Make each filled plain layer of a DynamicCache a PreallocatedLayer with room for `room` more
-    positions (in place); other layers (sliding windows, quantised caches) stay as they are."""
+    positions (in place); other layers (sliding windows, quantised caches) stay as they are. Only
+    without gradients: the layers write into their buffers in place."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("kv_cache.preallocate is for passes without gradients (it writes in place)")
     cache.layers = [PreallocatedLayer(layer, room) if type(layer) is DynamicLayer and layer.is_initialized
                     else layer for layer in cache.layers]
     return cache

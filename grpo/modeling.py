@@ -348,19 +348,23 @@ def decode_linears(model, rows):
     by the order in which a decode step already differs from a full forward pass (the numbers in
     docs/performance.md); the packed copies (the model's size again) live for the block. Under LoRA
     the wrappers stay and the plain linears inside them (the base layer, lora_A, lora_B) are packed
-    like any other. On a GPU, and for any other layer (bf16 weights, quantised ones), nothing changes."""
+    like any other. A call with gradients enabled computes as nn.Linear does (the packed product has
+    no backward). On a GPU, for any other layer (bf16 weights, quantised ones), and for a linear whose
+    forward is already replaced (an enclosing block, a hook's wrapper), nothing changes."""
     bare = distributed.unwrap(model)
     linears = [m for m in bare.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.float32]
+               and m.weight.dtype == torch.float32 and "forward" not in vars(m)]
     if not (ONEDNN_DECODE and linears and torch.backends.mkldnn.is_available()):
         yield
         return
-    for linear in linears:
-        linear.forward = _packed_forward(linear, rows)      # the instance's forward, ahead of nn.Linear's
+    patched = []
     try:
+        for linear in linears:
+            linear.forward = _packed_forward(linear, rows)  # the instance's forward, ahead of nn.Linear's
+            patched.append(linear)
         yield
     finally:
-        for linear in linears:
+        for linear in patched:
             del linear.forward
 
 
@@ -369,9 +373,11 @@ def _packed_forward(linear, rows):
     bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(x):                                                          # [..., d_in] -> [..., d_out]
+        if torch.is_grad_enabled():
+            return torch.nn.functional.linear(x, linear.weight, linear.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias,
                                                "none", [], "")
-        return y.view(*x.shape[:-1], -1)
+        return y.view(*x.shape[:-1], linear.out_features)
     return forward
 
 

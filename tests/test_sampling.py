@@ -109,6 +109,21 @@ def test_the_packed_onednn_products_give_the_same_logits_and_draws_and_are_remov
     plain_drawn = draw(tiny, 1.0)
     assert torch.equal(drawn[0], plain_drawn[0])
     torch.testing.assert_close(drawn[2], plain_drawn[2], rtol=0, atol=1e-5)
+    head = policy.get_output_embeddings()
+    with modeling.decode_linears(policy, 24):
+        packed = head.forward
+        with modeling.decode_linears(policy, 24):                    # a nested block leaves them be
+            assert head.forward is packed
+        assert head.forward is packed
+        with torch.inference_mode():
+            assert head(torch.zeros(0, head.in_features)).shape == (0, head.out_features)
+        x = torch.randn(2, head.in_features, requires_grad=True)     # with gradients: nn.Linear's own
+        head(x).square().sum().backward()
+    grads = x.grad, head.weight.grad
+    x.grad, head.weight.grad = None, None
+    head(x).square().sum().backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], head.weight.grad)
+    assert not any("forward" in vars(m) for m in linears)
     monkeypatch.setattr(modeling, "ONEDNN_DECODE", False)
     with modeling.decode_linears(policy, 24):
         assert not any("forward" in vars(m) for m in linears)
@@ -153,27 +168,35 @@ def test_the_preallocated_kv_cache_draws_what_the_concatenating_one_draws(tiny, 
 
 
 def test_a_preallocated_layer_grows_past_its_room_and_follows_a_reorder():
-    """PreallocatedLayer.update past its room, after a crop and after a reorder (new key tensors)
-    returns what DynamicLayer's concatenation returns."""
+    """PreallocatedLayer.update past its room, after a crop, after a reorder (new key tensors) and
+    after a batch select of the first rows (a view at the buffer's own address) returns what
+    DynamicLayer's concatenation returns."""
+    from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
     from grpo.kv_cache import PreallocatedLayer
     g = torch.Generator().manual_seed(0)
-    step = lambda: (torch.randn(4, 2, 1, 8, generator=g), torch.randn(4, 2, 1, 8, generator=g))  # noqa: E731
+    step = lambda n=4: (torch.randn(n, 2, 1, 8, generator=g), torch.randn(n, 2, 1, 8, generator=g))  # noqa: E731
     plain = DynamicLayer()
     plain.update(*step())
     fast = PreallocatedLayer(plain, room=2)
     plain = DynamicLayer()
     plain.update(fast.keys.clone(), fast.values.clone())
-    for event in ["step", "step", "step", "crop", "step", "reorder", "step", "step"]:   # the 3rd step grows
-        if event == "step":
-            kv = step()
+    for event in ["step", "step", "step", "crop", "step", "reorder", "step", "select", "step", "step"]:
+        if event == "step":                                                  # the 3rd step grows
+            kv = step(len(plain.keys))
             got, want = fast.update(*kv), plain.update(*kv)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
             assert fast.keys.data_ptr() == fast.key_buffer.data_ptr()       # a view, not a copy
         elif event == "crop":
             fast.crop(-2), plain.crop(-2)
+        elif event == "select":
+            fast.batch_select_indices(slice(0, 2)), plain.batch_select_indices(slice(0, 2))
         else:
             order = torch.tensor([3, 0, 0, 1])
             fast.reorder_cache(order), plain.reorder_cache(order)
-    assert fast.get_seq_length() == plain.get_seq_length() == 5               # 1 + 3 − 2 + 1 + 2
+    assert fast.get_seq_length() == plain.get_seq_length() == 6               # 1 + 3 − 2 + 1 + 3
+    assert fast.keys.shape[0] == 2
+    from grpo.kv_cache import preallocate
+    with pytest.raises(RuntimeError, match="without gradients"):             # it writes in place
+        preallocate(DynamicCache(), 2)
