@@ -122,6 +122,10 @@ class Claim:
     prompt_set: str = None      # experiments/data.py's set: --prompts and --eval-prompts-file
     by_samples: bool = False    # arms differ in samples per iteration: also draw against samples
     sweep: str = None           # a SWEEPS entry whose pick fills the arms' placeholders
+    # The default job's values of what the arms vary, written out under another --config (whose own
+    # B or G would otherwise replace them in the arm that leaves them unsaid); left out under the
+    # default job, so that its runs keep their names.
+    pins: list = field(default_factory=list)
 
 
 @dataclass
@@ -184,7 +188,7 @@ CLAIMS = {
         [Test("G 4 → 8 helps", ACC, {"G8": 1, "G4": -1}, ">"),
          Test("8 → 16 helps less than 4 → 8", ACC, {"G16": 1, "G8": -2, "G4": 1}, "<")],
         ["mean(charts/frac_zero_std)", "mean(charts/reward_mean)", "cpu_s_per_iter"],
-        ["charts/reward_mean", "charts/frac_zero_std"], by_samples=True),
+        ["charts/reward_mean", "charts/frac_zero_std"], by_samples=True, pins=["--group-size", "8"]),
     "c4": Claim(
         "With the same samples per iteration, a larger G beats more prompts.",
         "The default job at B·G = 32: 8 prompts × G = 4, 4 × 8 (the default), 2 × 16. Metric: held-out "
@@ -194,7 +198,7 @@ CLAIMS = {
         [Test("2 × 16 beats 8 × 4", ACC, {"B2xG16": 1, "B8xG4": -1}, ">"),
          Test("4 × 8 beats 8 × 4", ACC, {"B4xG8": 1, "B8xG4": -1}, ">")],
         ["mean(charts/frac_zero_std)", "mean(charts/reward_mean)"],
-        ["charts/reward_mean", "charts/frac_zero_std"]),
+        ["charts/reward_mean", "charts/frac_zero_std"], pins=["--num-prompts", "4", "--group-size", "8"]),
     "c5": Claim(
         "GRPO is at least as good as PPO with a critic, steadier, and cheaper in memory.",
         "The default job, GRPO against PPO (--algo ppo: a critic initialised from the policy's own "
@@ -274,7 +278,7 @@ CLAIMS = {
         [Test("larger G leaves fewer all-equal groups", "mean(charts/frac_zero_std)", {"G16": 1, "G4": -1}, "<"),
          Test("dynamic sampling learns more", ACC, {"G8_dynamic": 1, "G8": -1}, ">")],
         ["mean(charts/frac_zero_std)", "mean(charts/sample_rounds)", "mean(charts/reward_mean)", "cpu_s_per_iter"],
-        ["charts/frac_zero_std", "charts/reward_mean"], by_samples=True),
+        ["charts/frac_zero_std", "charts/reward_mean"], by_samples=True, pins=["--group-size", "8"]),
     "c10": Claim(
         "GRPO needs a cleaner reward than PPO: noise enters the group ranking directly.",
         "The default job with the exact-answer reward flipped (1 ↔ 0) at random for a share p of the "
@@ -482,7 +486,8 @@ class Setup:
 
             train, held_out = prompt_sets.write_prompt_set(claim.prompt_set, os.path.join(self.runs_root, "data"))
             data = ["--prompts", relative(train), "--eval-prompts-file", relative(held_out)]
-        return canonical([*self.base, *data, *claim.common, *flags, *self.last, "--seed", str(seed),
+        pins = claim.pins if self.base else []
+        return canonical([*self.base, *pins, *data, *claim.common, *flags, *self.last, "--seed", str(seed),
                           "--iterations", str(self.iterations or claim.iterations), "--eval-every",
                           str(self.eval_every), "--save-every", str(self.save_every)])
 

@@ -149,6 +149,12 @@ def test_the_runs_of_a_claim_are_the_default_job_under_its_flags():
     assert setup.argv(claims.CLAIMS["c2"], claims.CLAIMS["c2"].arms["beta0"], 0) == [
         "--beta", "1e-9", "--config", "gpu", "--eval-every", "5", "--iterations", "30", "--lr", claims.LR_HIGH,
         "--max-new-tokens", "48", "--save-every", "5", "--seed", "0"]
+    c4 = claims.CLAIMS["c4"]                      # under another --config the default arm keeps 4 × 8
+    assert "--group-size" not in claims.parse_args(["c4"])[1].argv(c4, c4.arms["B4xG8"], 0)
+    args, setup = claims.parse_args(["c4", "--config", "gpu"])
+    for arm, bg in [("B4xG8", ["4", "8"]), ("B2xG16", ["2", "16"])]:
+        argv = setup.argv(c4, c4.arms[arm], 0)
+        assert [claims.flag_value(argv, "--num-prompts"), claims.flag_value(argv, "--group-size")] == bg
     args, setup = claims.parse_args(["c1", "--smoke", "--out", "/x"])
     argv = setup.argv(claims.CLAIMS["c8"], claims.CLAIMS["c8"].arms["mu4_lr1e-5"], 0)
     assert argv[:6] == ["--config", "tiny", "--epochs", "4", "--eval-every", "2"] and "/x/runs" == setup.runs_root
