@@ -201,18 +201,6 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("pr
 # ----------------------------------------------------------------------------------------
 # Reading and writing files
 
-def select_records(path, start, num_prompts):
-    """The B records from --start (counted from 0, in file order), and the line of each."""
-    records, lines = files.read_jsonl(path, with_lines=True)
-    if not 0 <= start < len(records):
-        raise StageError(f"{path}: --start {start} is outside its {len(records)} records")
-    end = len(records) if num_prompts is None else start + num_prompts
-    if end > len(records):
-        raise StageError(f"{path}: --num-prompts {num_prompts} from --start {start} needs {end} records, "
-                         f"the file has {len(records)}")
-    return records[start:end], lines[start:end]
-
-
 def write_outputs(out_dir, tensors, samples, args):
     """samples.jsonl, then rollouts.safetensors, each renamed into place when complete; the rollouts,
     which every later stage opens first, appear last."""
@@ -274,7 +262,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    records, lines = select_records(args.prompts, args.start, args.num_prompts)
+    records, lines = files.select_records(args.prompts, args.start, args.num_prompts)
     args.num_prompts = len(records)
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)

@@ -278,3 +278,15 @@ def read_jsonl(path, with_lines=False):
     if not records:
         raise StageError(f"{path}: the file holds no records")
     return (records, lines) if with_lines else records
+
+
+def select_records(path, start, num_prompts):
+    """The B records from --start (counted from 0, in file order), and the line of each."""
+    records, lines = read_jsonl(path, with_lines=True)
+    if not 0 <= start < len(records):
+        raise StageError(f"{path}: --start {start} is outside its {len(records)} records")
+    end = len(records) if num_prompts is None else start + num_prompts
+    if end > len(records):
+        raise StageError(f"{path}: --num-prompts {num_prompts} from --start {start} needs {end} records, "
+                         f"the file has {len(records)}")
+    return records[start:end], lines[start:end]
