@@ -37,7 +37,10 @@ that uses it links it as RUNS/CLAIM/ARM_seedS (with its log ARM_seedS.log), so a
 several claims (the default job is in C3, C4, C5, C9 and C10) runs once. A run with experiment.json
 is finished and never run again; a run cut short is finished with `train.py --resume` from its last
 save; one that never saved starts over. A finished run keeps its iterations' files, eval/ and tb/;
-its policy/, checkpoints/ and critic_init/ (1.6 GB a save) are deleted. experiment.json records the
+its policy/, checkpoints/ and critic_init/ (1.6 GB a save) are deleted. What its table and figure
+read (experiment.json, config.json, iter_XXXX/metrics.json, eval/) is also kept in RECORDS/HASH, which
+is committed: a fresh checkout, whose RUNS is empty, takes a finished run from there instead of
+running it again, and a reader can recompute every table from it. experiment.json records the
 run's wall and CPU seconds (user + sys of the child, on --threads torch threads, summed over its
 attempts; an attempt killed with this process is not counted, so the tables take a run's CPU
 seconds at the rate of the attempt that finished it: Run.cpu_s) and peak RSS (the child's, which
@@ -86,6 +89,7 @@ from experiments import stats
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 RUNS = os.path.join(ROOT, "experiments", "runs")
+RECORDS = os.path.join(ROOT, "experiments", "records")     # finished runs' numbers, committed (docstring)
 ITERATIONS, EVAL_EVERY, SAVE_EVERY = 20, 5, 5
 # Torch threads per run. One: on this 2-core machine shared with other work, two threads spin against
 # the other processes' (20 decode steps of the default model, niced under a load of 6–9: 17 s on one
@@ -411,9 +415,31 @@ def link(target, name):
         os.symlink(relative, name)
 
 
-def ensure_run(argv, runs_root, name, label, threads=THREADS):
-    """The record (experiment.json) of the finished run of `argv` (train.py flags, no --run-dir): found,
-    finished with --resume, or run; linked as RUNS/`name`. Raises RunFailed."""
+def keep(run_dir, record_dir):
+    """Copy what a finished run's table and figure read into record_dir (once): the run's numbers
+    outlive the checkout that ran it."""
+    if os.path.isfile(os.path.join(record_dir, "experiment.json")):
+        return
+    tmp = record_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for entry in sorted(os.listdir(run_dir)):
+        source = os.path.join(run_dir, entry)
+        if entry == "config.json":
+            os.makedirs(tmp, exist_ok=True)
+            shutil.copy(source, tmp)
+        elif entry.startswith("iter_") and os.path.isfile(os.path.join(source, "metrics.json")):
+            os.makedirs(os.path.join(tmp, entry))
+            shutil.copy(os.path.join(source, "metrics.json"), os.path.join(tmp, entry))
+        elif entry == "eval":
+            shutil.copytree(source, os.path.join(tmp, entry))
+    shutil.copy(os.path.join(run_dir, "experiment.json"), tmp)   # last: a record with it is whole
+    os.replace(tmp, record_dir)
+
+
+def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
+    """The record (experiment.json) of the finished run of `argv` (train.py flags, no --run-dir): found
+    (in RUNS/pool, or in `records` from an earlier checkout), finished with --resume, or run; linked
+    as RUNS/`name`, and its numbers kept in `records` (keep). Raises RunFailed."""
     if STOPPING:                                      # SIGTERM came: start no other run
         raise RunFailed(f"{label}: stopped")
     argv = canonical(argv)
@@ -424,7 +450,13 @@ def ensure_run(argv, runs_root, name, label, threads=THREADS):
     link(run_dir, os.path.join(runs_root, name))
     link(log, os.path.join(runs_root, name + ".log"))
     done = os.path.join(run_dir, "experiment.json")
+    record_dir = os.path.join(records, key) if records else None
+    if not os.path.isfile(done) and record_dir and os.path.isfile(os.path.join(record_dir, "experiment.json")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(record_dir, run_dir)          # finished in an earlier checkout
     if os.path.isfile(done):
+        if record_dir:
+            keep(run_dir, record_dir)
         return json.load(open(done))
     if os.path.isfile(pid):
         other = int(open(pid).read() or 0)
@@ -459,6 +491,8 @@ def ensure_run(argv, runs_root, name, label, threads=THREADS):
               "peak_rss_mb": max(a["peak_rss_mb"] for a in attempts), "attempts": attempts}
     with open(done, "w") as f:
         json.dump(record, f, indent=1)
+    if record_dir:
+        keep(run_dir, record_dir)
     print(f"{label}: done in {wall / 60:.1f} min (CPU {cpu / 60:.1f} min), peak RSS {rss / 1024:.2f} GiB",
           flush=True)
     return record
@@ -471,6 +505,7 @@ class Setup:
     """What every run of an invocation shares."""
     runs_root: str
     results: str
+    records: str                # finished runs' numbers, kept across checkouts (RECORDS)
     base: list                  # train.py flags under every arm: [] (the default job), or SMOKE
     last: list = field(default_factory=list)      # flags over every arm's: SMOKE_LAST
     iterations: int = None      # overrides each claim's K (--smoke, --iterations)
@@ -508,7 +543,7 @@ def resolve(claim, name, setup):
         flags = [f.replace("{value}", value) for f in sweep.flags]
         argv = setup.argv(claim, flags, 0)
         record = ensure_run(argv, setup.runs_root, f"sweep_{claim.sweep}/{value}_seed0",
-                            f"{name} sweep {claim.sweep}={value} seed 0", setup.threads)
+                            f"{name} sweep {claim.sweep}={value} seed 0", setup.threads, setup.records)
         run = Run(os.path.join(setup.runs_root, f"sweep_{claim.sweep}", f"{value}_seed0"), record)
         rows.append((value, run.metric(sweep.select), run.metric(ACC), run))
     pick = max(rows, key=lambda row: row[1])[0]
@@ -526,7 +561,8 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
             for arm in arms if seed < arm_seeds[arm]]
     pool = ThreadPoolExecutor(setup.jobs)                              # --jobs runs at once, each its own child
     futures = {(arm, seed): pool.submit(ensure_run, setup.argv(claim, arms[arm], seed), setup.runs_root,
-                                        f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}", setup.threads)
+                                        f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}", setup.threads,
+                                        setup.records)
                for arm, seed in jobs}
     while not all(future.done() for future in futures.values()):
         time.sleep(1)           # not a join, which would keep SIGTERM's handler (main thread only) from running
@@ -539,11 +575,13 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
     table = summary_table(name, claim, arms, runs, sweep, setup)
     with open(os.path.join(setup.results, f"{name}.md"), "w") as f:
         f.write(table)
-    if commit:
+    if commit:                  # the table, the figure and every finished run's record so far
         paths = [os.path.relpath(os.path.join(setup.results, f"{name}.{ext}"), ROOT) for ext in ("md", "png")]
+        paths.append(os.path.relpath(setup.records, ROOT))
         subprocess.run(["git", "add", *paths], cwd=ROOT, check=False)
         subprocess.run(["git", "commit", "-q", "-m", f"experiments/results: {name} on the default model "
-                        f"({min(arm_seeds.values())}+ seeds per arm)", "--", *paths], cwd=ROOT, check=False)
+                        f"({min(arm_seeds.values())}+ seeds per arm), with its runs' records",
+                        "--", *paths], cwd=ROOT, check=False)
     return table
 
 
@@ -770,7 +808,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.jobs < 1 or args.threads < 1:
         p.error("--jobs and --threads must be at least 1")
-    setup = Setup(RUNS, RESULTS, ["--config", args.config] if args.config else [], iterations=args.iterations,
+    setup = Setup(RUNS, RESULTS, RECORDS, ["--config", args.config] if args.config else [], iterations=args.iterations,
                   threads=args.threads, jobs=args.jobs)
     if args.smoke:
         args.seeds, args.max_seeds = 1, 0
@@ -778,7 +816,8 @@ def parse_args(argv=None):
         setup.base, setup.last = list(SMOKE), list(SMOKE_LAST)
         args.out = args.out or os.path.join(ROOT, "experiments", "smoke")
     if args.out:
-        setup.runs_root, setup.results = os.path.join(args.out, "runs"), os.path.join(args.out, "results")
+        setup.runs_root, setup.results, setup.records = (os.path.join(args.out, folder)
+                                                         for folder in ("runs", "results", "records"))
     return args, setup
 
 

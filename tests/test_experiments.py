@@ -142,7 +142,8 @@ def test_canonical_flags_name_one_run():
 
 def test_the_runs_of_a_claim_are_the_default_job_under_its_flags():
     args, setup = claims.parse_args(["c3"])
-    assert (setup.runs_root, setup.results, args.seeds) == (claims.RUNS, claims.RESULTS, 3)
+    assert (setup.runs_root, setup.results, setup.records, args.seeds) == (claims.RUNS, claims.RESULTS,
+                                                                           claims.RECORDS, 3)
     assert setup.argv(claims.CLAIMS["c3"], claims.CLAIMS["c3"].arms["G16"], 2) == [
         "--eval-every", "5", "--group-size", "16", "--iterations", "20", "--save-every", "5", "--seed", "2"]
     args, setup = claims.parse_args(["c2", "--iterations", "30", "--config", "gpu"])
@@ -157,7 +158,8 @@ def test_the_runs_of_a_claim_are_the_default_job_under_its_flags():
         assert [claims.flag_value(argv, "--num-prompts"), claims.flag_value(argv, "--group-size")] == bg
     args, setup = claims.parse_args(["c1", "--smoke", "--out", "/x"])
     argv = setup.argv(claims.CLAIMS["c8"], claims.CLAIMS["c8"].arms["mu4_lr1e-5"], 0)
-    assert argv[:6] == ["--config", "tiny", "--epochs", "4", "--eval-every", "2"] and "/x/runs" == setup.runs_root
+    assert argv[:6] == ["--config", "tiny", "--epochs", "4", "--eval-every", "2"]
+    assert (setup.runs_root, setup.records) == ("/x/runs", "/x/records")     # the smoke runs' records stay there
 
 
 # --- what the claims add: prompts and rewards ----------------------------------------------------
@@ -255,6 +257,30 @@ def test_a_run_cut_short_is_finished_with_resume(tmp_path):
     assert not (run_dir / "policy").exists() and record["cpu_s"] > 0
     assert os.path.realpath(tmp_path / "c0" / "arm_seed0") == str(run_dir)
     assert claims.ensure_run(argv, str(tmp_path), "c0/arm_seed0", "again") == record     # finished: not rerun
+
+
+def test_a_finished_runs_record_serves_a_fresh_checkout_without_running_it(tmp_path, monkeypatch):
+    """A finished run's numbers are kept in the records folder (committed), so a checkout whose runs
+    folder is empty takes the run from there and gets the same metrics; nothing else is kept."""
+    argv = claims.canonical([*claims.SMOKE, "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
+                             "--eval-prompts", "2", "--seed", "0", "--iterations", "2", "--eval-every", "1",
+                             "--save-every", "1"])
+    records = tmp_path / "records"
+    record = claims.ensure_run(argv, str(tmp_path / "a"), "c0/arm_seed0", "c0 arm seed 0", records=str(records))
+    (kept,) = os.listdir(records)
+    files = sorted(os.path.relpath(os.path.join(d, f), records / kept) for d, _, fs in os.walk(records / kept)
+                   for f in fs)
+    assert files == ["config.json", "eval/iter_0000.jsonl", "eval/iter_0001.jsonl", "eval/iter_0002.jsonl",
+                     "experiment.json", "iter_0000/metrics.json", "iter_0001/metrics.json"]
+
+    def no_run(*_):
+        raise AssertionError("a run kept in the records was run again")
+
+    monkeypatch.setattr(claims, "run_child", no_run)
+    assert claims.ensure_run(argv, str(tmp_path / "b"), "c0/arm_seed0", "fresh", records=str(records)) == record
+    before, after = (claims.Run(str(tmp_path / root / "c0" / "arm_seed0"), record) for root in "ab")
+    for metric in ("acc", "acc_auc", "mean(charts/reward_mean)", "cpu_s_per_iter"):
+        assert before.metric(metric) == after.metric(metric)
 
 
 def test_sigterm_stops_every_run_of_jobs_2_and_counts_no_attempt(tmp_path):
