@@ -517,7 +517,7 @@ def prefill(model, prompt_ids, prompt_mask, share_prefix=True, room=0):
                     **_keep_last(model, 1))
     last = out.logits[:, -1:]                                                        # [U, 1, ...]
     if not share_prefix:
-        return last, _with_room(cache, room), attention_mask, position_ids
+        return last, _preallocated(cache, room), attention_mask, position_ids
     if cache.get_seq_length() != prompt_ids.shape[1] or any(type(layer) is not DynamicLayer
                                                             for layer in cache.layers):
         _UNSHAREABLE.add(bare)
@@ -525,10 +525,12 @@ def prefill(model, prompt_ids, prompt_mask, share_prefix=True, room=0):
                   f"share; computing each row's prompt itself (as --no-prefix-sharing)")
         return None
     cache.reorder_cache(inverse)                                      # index_select: rows ← their prompt
-    return last[inverse], _with_room(cache, room), attention_mask, position_ids
+    return last[inverse], _preallocated(cache, room), attention_mask, position_ids
 
 
-def _with_room(cache, room):
+def _preallocated(cache, room):
+    """The cache with room for `room` more positions in each layer (kv_cache.preallocate); as it is
+    without room."""
     if not room:
         return cache
     from grpo import kv_cache                                           # imports transformers
