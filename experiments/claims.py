@@ -532,19 +532,30 @@ def relative(path):
     return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
+def run_all(setup, jobs):
+    """{job: record} of ensure_run for each job (argv, name, label), --jobs of them at once, each its
+    own child; raises the first failure once all have ended."""
+    pool = ThreadPoolExecutor(setup.jobs)
+    futures = {job: pool.submit(ensure_run, argv, setup.runs_root, name, label, setup.threads, setup.records)
+               for job, (argv, name, label) in jobs.items()}
+    while not all(future.done() for future in futures.values()):
+        time.sleep(1)           # not a join, which would keep SIGTERM's handler (main thread only) from running
+    pool.shutdown()
+    return {job: future.result() for job, future in futures.items()}
+
+
 def resolve(claim, name, setup):
     """The claim's arms with the sweep's pick in place of its placeholder (running the sweep first);
     returns (arms, sweep rows or None)."""
     if not claim.sweep:
         return dict(claim.arms), None
     sweep = SWEEPS[claim.sweep]
+    records = run_all(setup, {value: (setup.argv(claim, [f.replace("{value}", value) for f in sweep.flags], 0),
+                                      f"sweep_{claim.sweep}/{value}_seed0",
+                                      f"{name} sweep {claim.sweep}={value} seed 0") for value in sweep.values})
     rows = []
     for value in sweep.values:
-        flags = [f.replace("{value}", value) for f in sweep.flags]
-        argv = setup.argv(claim, flags, 0)
-        record = ensure_run(argv, setup.runs_root, f"sweep_{claim.sweep}/{value}_seed0",
-                            f"{name} sweep {claim.sweep}={value} seed 0", setup.threads, setup.records)
-        run = Run(os.path.join(setup.runs_root, f"sweep_{claim.sweep}", f"{value}_seed0"), record)
+        run = Run(os.path.join(setup.runs_root, f"sweep_{claim.sweep}", f"{value}_seed0"), records[value])
         rows.append((value, run.metric(sweep.select), run.metric(ACC), run))
     pick = max(rows, key=lambda row: row[1])[0]
     arms = {arm: [f.replace("{" + claim.sweep + "}", pick) for f in flags] for arm, flags in claim.arms.items()}
@@ -559,15 +570,8 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
     arm_seeds = {arm: max(seeds, (arm_seeds or {}).get(arm, 0)) for arm in arms}
     jobs = [(arm, seed) for seed in range(max(arm_seeds.values()))     # seed-major: every arm's seed 0 first
             for arm in arms if seed < arm_seeds[arm]]
-    pool = ThreadPoolExecutor(setup.jobs)                              # --jobs runs at once, each its own child
-    futures = {(arm, seed): pool.submit(ensure_run, setup.argv(claim, arms[arm], seed), setup.runs_root,
-                                        f"{name}/{arm}_seed{seed}", f"{name} {arm} seed {seed}", setup.threads,
-                                        setup.records)
-               for arm, seed in jobs}
-    while not all(future.done() for future in futures.values()):
-        time.sleep(1)           # not a join, which would keep SIGTERM's handler (main thread only) from running
-    pool.shutdown()
-    records = {job: future.result() for job, future in futures.items()}   # the first failure, once all ended
+    records = run_all(setup, {(arm, seed): (setup.argv(claim, arms[arm], seed), f"{name}/{arm}_seed{seed}",
+                                            f"{name} {arm} seed {seed}") for arm, seed in jobs})
     runs = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"), records[(arm, s)])
                   for s in range(arm_seeds[arm])] for arm in arms}
     os.makedirs(setup.results, exist_ok=True)
