@@ -45,7 +45,7 @@ run's wall and CPU seconds (user + sys of the child, on --threads torch threads,
 attempts; an attempt killed with this process is not counted, so the tables take a run's CPU
 seconds at the rate of the attempt that finished it: Run.cpu_s) and peak RSS (the child's, which
 counts pages it shares with the fork server: compare arms within a claim). Each claim's results/CLAIM.png and CLAIM.md are written as soon
-as its runs are done (--commit commits them).
+as its runs are done (--commit commits them, with the runs' records).
 
 Plan, on this 2-core machine when it is quiet: the default job about 12 s an iteration (README), a
 held-out evaluation of 48 prompts a few seconds; PPO 1.65× (README), G = 16 about 1.8×, 48 or 64
@@ -422,10 +422,10 @@ def keep(run_dir, record_dir):
         return
     tmp = record_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
     for entry in sorted(os.listdir(run_dir)):
         source = os.path.join(run_dir, entry)
         if entry == "config.json":
-            os.makedirs(tmp, exist_ok=True)
             shutil.copy(source, tmp)
         elif entry.startswith("iter_") and os.path.isfile(os.path.join(source, "metrics.json")):
             os.makedirs(os.path.join(tmp, entry))
