@@ -9,6 +9,9 @@ are the placeholders a reader fills in (`path/file.py:function`, the syntax of a
 
 A link [text](target) that is not a URL must name an existing file or folder (relative to the
 page), and its `#anchor` a heading of that file, by GitHub's slug rules.
+
+The README's table of the article's claims quotes experiments/results/: each row's verdict and
+interval are those of its claim's first pre-stated test.
 """
 
 import ast
@@ -163,3 +166,56 @@ def test_readme_is_short_and_indexes_every_docs_page():
     assert len(readme.splitlines()) <= README_MAX_LINES
     for path in markdown_files()[1:]:
         assert f"](docs/{os.path.basename(path)})" in readme, path
+
+
+def unicode_minus_to_ascii(text):
+    return text.replace("−", "-").replace("**", "").strip()
+
+
+def first_test(results_md):
+    """(verdict, estimate, [low, high]) of the first row of a claim table's pre-stated tests."""
+    section = results_md.split("## Pre-stated tests", 1)[1]
+    row = [line for line in section.splitlines() if line.startswith("| ")][1:][0]      # past the header
+    cells = [unicode_minus_to_ascii(c) for c in row.strip("|").split("|")]
+    return cells[6], cells[4], re.match(r"(\[[^\]]*\])", cells[5]).group(1)
+
+
+def claims_quote_problems(readme, results_dir):
+    """One line per row of the README's claims table that does not quote its results table: the
+    verdict a prefix of the table's first test's, its estimate and interval written as in the table;
+    a claim with no table may not have a verdict, and one with a table must."""
+    problems = []
+    section = readme.split("## The article's claims, measured", 1)[1].split("\n## ", 1)[0]
+    for row in [line for line in section.splitlines() if re.match(r"\| C\d+ ", line)]:
+        cells = [unicode_minus_to_ascii(c) for c in row.strip("|").split("|")]
+        claim, verdict, difference = cells[0].split()[0], cells[1], cells[2]
+        path = os.path.join(results_dir, f"{claim.lower()}.md")
+        if not os.path.exists(path):
+            if verdict not in ("next", "to run"):
+                problems.append(f"{claim}: a verdict ({verdict}) with no {os.path.basename(path)}")
+            continue
+        table_verdict, estimate, interval = first_test(open(path, encoding="utf-8").read())
+        if not verdict or not table_verdict.startswith(verdict):
+            problems.append(f"{claim}: the README says '{verdict}', the table '{table_verdict}'")
+        if f"{estimate} {interval}" not in difference:
+            problems.append(f"{claim}: the README says '{difference}', the table '{estimate} {interval}'")
+    return problems
+
+
+def test_the_claims_checker_catches_a_misquote(tmp_path):
+    table = ("# C1\n\n## Pre-stated tests (Welch)\n\n| test | metric | contrast | predicted | estimate | "
+             "95% interval | verdict |\n|---|---|---|---|---|---|---|\n| t | m | a − b | > 0 | +0.026 | "
+             "[-0.038, +0.090] (ν = 2.1) | **not distinguishable at this scale** |\n")
+    open(tmp_path / "c1.md", "w", encoding="utf-8").write(table)
+    head = "## The article's claims, measured\n\n| claim | verdict | difference |\n|---|---|---|\n"
+    good = "| C1 x | not distinguishable | AUC a − b: +0.026 [−0.038, +0.090] |\n| C2 y | to run | |\n"
+    assert claims_quote_problems(head + good, str(tmp_path)) == []
+    for bad in (good.replace("+0.090", "+0.091"), good.replace("not distinguishable", "**reproduced**"),
+                good.replace("to run", "reproduced"), good.replace("not distinguishable", "next")):
+        assert len(claims_quote_problems(head + bad, str(tmp_path))) == 1, bad
+
+
+def test_the_readme_quotes_each_claims_table():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    problems = claims_quote_problems(readme, os.path.join(ROOT, "experiments", "results"))
+    assert problems == [], "\n".join(problems)
