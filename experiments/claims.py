@@ -708,14 +708,20 @@ def summary_table(name, claim, arms, runs, sweep, setup):
              f"`--iterations {K} --eval-every {setup.eval_every} --seed S`, seeds 0–{max(seeds) - 1} "
              f"({'/'.join(map(str, seeds))} per arm). Command: `python -m experiments.claims {name}`.", "",
              "## Pre-stated tests (Welch 95% interval over seeds; the first is the claim's verdict)", "",
-             "| test | metric | contrast | predicted | estimate | 95% interval | verdict |",
-             "|---|---|---|---|---|---|---|"]
+             "| test | metric | contrast | predicted | estimate | 95% interval | verdict | seeds an arm to decide |",
+             "|---|---|---|---|---|---|---|---|"]
     for test in claim.tests:
         values = {arm: [r.metric(test.metric) for r in runs[arm]] for arm in test.contrast}
         est, low, high, df, verdict = decide(test, values)
         interval = "– (fewer than 2 seeds)" if low is None else f"[{low:+.3f}, {high:+.3f}] (ν = {df:.1f})"
+        needed = "–"                                  # decided, or no std to project from
+        if verdict == stats.UNCLEAR and low is not None:
+            needed = str(stats.seeds_to_decide(values, test.contrast, test.offset) or "over 1000")
         lines.append(f"| {test.text} | `{test.metric}` | {contrast_text(test)} | {test.direction} 0 | "
-                     f"{est:+.3f} | {interval} | **{verdict}** |")
+                     f"{est:+.3f} | {interval} | **{verdict}** | {needed} |")
+    lines += ["", "Seeds an arm to decide: for a test not distinguishable, the fewest seeds per arm whose "
+              "interval would exclude 0 if the estimate and each arm's std stayed as they are "
+              "(experiments/stats.py:seeds_to_decide): a projection, not a run."]
     metrics = ["acc", "acc_auc", *claim.table]
     lines += ["", "## Arms (mean ± std over seeds)", "",
               "| arm | flags | seeds | " + " | ".join(f"`{m}`" for m in metrics) +

@@ -13,6 +13,10 @@ excludes 0 on the other, else "not distinguishable at this scale". An arm with f
 no std, so no interval: "not distinguishable". When every arm's seeds agree exactly (se = 0) the
 interval is the point est, which excludes 0 unless est is 0.
 
+How many seeds would decide a test that is not distinguishable: the smallest n such that n seeds in
+every arm, with each arm's mean and std as seen, give a Welch interval that excludes 0. It is a
+projection from the runs made (the estimate and the spreads may move with more seeds), not a run.
+
 No scipy here: the t quantile is found by bisection on the t distribution's CDF, integrated with
 Simpson's rule from the density (exact to about 1e-9 for ν ≥ 1, which the tests check against the
 printed tables).
@@ -80,3 +84,29 @@ def verdict(low, high, direction):
     if direction == "<":
         return REPRODUCED if negative else REFUTED if positive else UNCLEAR
     raise ValueError(f"direction must be '>' or '<', got {direction!r}")
+
+
+def seeds_to_decide(samples, contrast, offset=0.0, level=0.95, most=1000):
+    """The smallest n ≥ 2 such that n values in every arm, at the means and stds of `samples`, give an
+    interval of Σ_k c_k·mean_k − offset that excludes 0; None when no n ≤ `most` does (or an arm has
+    fewer than 2 values). With n in every arm, se² = Σ_k c_k²·s_k²/n and ν = se⁴ / Σ_k (c_k²·s_k²/n)²/(n − 1)."""
+    arms = {arm: np.asarray(samples[arm], dtype=np.float64) for arm in contrast}
+    if any(len(x) < 2 for x in arms.values()):
+        return None
+    est = abs(sum(c * arms[arm].mean() for arm, c in contrast.items()) - offset)
+    spread = [c * c * arms[arm].var(ddof=1) for arm, c in contrast.items()]           # c_k²·s_k²
+
+    def decides(n):
+        se2 = sum(spread) / n
+        if se2 == 0:
+            return est > 0
+        df = se2 ** 2 / sum((v / n) ** 2 / (n - 1) for v in spread if v > 0)
+        return t_quantile(0.5 + level / 2, df) * math.sqrt(se2) < est
+
+    if not decides(most):
+        return None
+    low, high = 1, most                      # decides(high) holds; the half-width shrinks as n grows
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if decides(mid) else (mid, high)
+    return max(high, 2)

@@ -53,6 +53,25 @@ def test_a_runs_cpu_seconds_scale_the_finishing_attempt_to_the_whole_run():
     assert run([{"from_iteration": 20, "cpu_s": 65.0, "exit_code": 0}]).cpu_s() == pytest.approx(65.0)
 
 
+def test_seeds_to_decide_against_a_hand_computation():
+    # a: mean 2, b: mean 1, s² = 1 each. With n seeds an arm: se² = 2/n, ν = 2(n − 1), and the interval
+    # excludes 0 when t_{0.975, ν}·sqrt(2/n) < 1: n = 8 gives 2.1448·0.5 = 1.072 (printed t, ν = 14),
+    # n = 9 gives 2.1199·0.4714 = 0.9993 (ν = 16).
+    assert stats.seeds_to_decide({"a": [1, 2, 3], "b": [0, 1, 2]}, {"a": 1, "b": -1}) == 9
+    assert stats.seeds_to_decide({"a": [1, 2, 3], "b": [0, 1, 2]}, {"a": 1, "b": -1}, offset=1.0) is None
+    assert stats.seeds_to_decide({"a": [1, 2, 3], "b": [0, 1, 2]}, {"a": 1, "b": -1}, most=8) is None
+    assert stats.seeds_to_decide({"a": [1]}, {"a": 1}) is None                  # one seed: no std
+    assert stats.seeds_to_decide({"a": [0.5, 0.5]}, {"a": 1}) == 2              # no spread: any n decides
+    # what it promises: n seeds an arm with these means and stds make welch_interval exclude 0
+    a, b = [0.2, 0.5, 0.35], [0.1, 0.3, 0.05]
+    n = stats.seeds_to_decide({"a": a, "b": b}, {"a": 1, "b": -1})
+    def at(n, x):                                  # n values with x's mean and (Bessel) std
+        z = np.linspace(-1, 1, n)
+        return np.mean(x) + np.std(x, ddof=1) * z / np.std(z, ddof=1)
+    assert stats.welch_interval({"a": at(n, a), "b": at(n, b)}, {"a": 1, "b": -1})[1] > 0
+    assert stats.welch_interval({"a": at(n - 1, a), "b": at(n - 1, b)}, {"a": 1, "b": -1})[1] <= 0
+
+
 def test_welch_interval_against_a_hand_computation():
     # a: mean 2, s² = 1; b: mean 0.5, s² = 0.25; n = 3 each. se² = 1/3 + 1/12 = 5/12;
     # ν = (5/12)² / ((1/3)²/2 + (1/12)²/2) = 2.9412; t_{0.975, 2.9412} = 3.21876 (mpmath: quad and findroot).
@@ -316,10 +335,11 @@ def test_every_claim_runs_end_to_end_on_its_smoke_setting(name, smoke_out):
     assert (results / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (results / f"{name}.md").read_text()
     lines = table.splitlines()
-    tests = lines[lines.index("| test | metric | contrast | predicted | estimate | 95% interval | verdict |") + 2:]
+    tests = lines[lines.index("| test | metric | contrast | predicted | estimate | 95% interval | verdict "
+                              "| seeds an arm to decide |") + 2:]
     tests = tests[:tests.index("")]
     assert [row.split(" | ")[0][2:] for row in tests] == [t.text for t in claims.CLAIMS[name].tests]
-    assert all(row.endswith(f"**{stats.UNCLEAR}** |") for row in tests)            # one seed: no interval
+    assert all(row.endswith(f"**{stats.UNCLEAR}** | – |") for row in tests)     # one seed: no interval
     arms = lines[lines.index("## Arms (mean ± std over seeds)") + 4:]
     arms = arms[:arms.index("")]
     assert [row.split(" | ")[0][2:] for row in arms] == list(claims.CLAIMS[name].arms)
