@@ -147,6 +147,7 @@ SWEEPS = {
 }
 
 ACC = "acc_auc"
+MOST_SEEDS = 1000                # seeds an arm beyond which a table says "over"
 CLAIMS = {
     "c1": Claim(
         "The group z-score must be taken per group: a batch-wide normalisation learns worse.",
@@ -716,12 +717,15 @@ def summary_table(name, claim, arms, runs, sweep, setup):
         interval = "– (fewer than 2 seeds)" if low is None else f"[{low:+.3f}, {high:+.3f}] (ν = {df:.1f})"
         needed = "–"                                  # decided, or no std to project from
         if verdict == stats.UNCLEAR and low is not None:
-            needed = str(stats.seeds_to_decide(values, test.contrast, test.offset) or "over 1000")
+            needed = str(stats.seeds_to_decide(values, test.contrast, test.offset, most=MOST_SEEDS)
+                         or f"over {MOST_SEEDS}")
         lines.append(f"| {test.text} | `{test.metric}` | {contrast_text(test)} | {test.direction} 0 | "
                      f"{est:+.3f} | {interval} | **{verdict}** | {needed} |")
-    lines += ["", "Seeds an arm to decide: for a test not distinguishable, the fewest seeds per arm whose "
-              "interval would exclude 0 if the estimate and each arm's std stayed as they are "
-              "(experiments/stats.py:seeds_to_decide): a projection, not a run."]
+    if any(not line.endswith("| – |") for line in lines[-len(claim.tests):]):
+        lines += ["", "Seeds an arm to decide: for a test not distinguishable, the fewest seeds per arm whose "
+                  "interval would exclude 0 (on the estimate's side, which may not be the predicted one) if "
+                  "the estimate and each arm's std stayed as they are (experiments/stats.py:seeds_to_decide): "
+                  "a projection, not a run."]
     metrics = ["acc", "acc_auc", *claim.table]
     lines += ["", "## Arms (mean ± std over seeds)", "",
               "| arm | flags | seeds | " + " | ".join(f"`{m}`" for m in metrics) +

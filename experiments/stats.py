@@ -88,10 +88,11 @@ def verdict(low, high, direction):
 
 def seeds_to_decide(samples, contrast, offset=0.0, level=0.95, most=1000):
     """The smallest n ≥ 2 such that n values in every arm, at the means and stds of `samples`, give an
-    interval of Σ_k c_k·mean_k − offset that excludes 0; None when no n ≤ `most` does (or an arm has
-    fewer than 2 values). With n in every arm, se² = Σ_k c_k²·s_k²/n and ν = se⁴ / Σ_k (c_k²·s_k²/n)²/(n − 1)."""
+    interval of Σ_k c_k·mean_k − offset that excludes 0, on the estimate's side (which may not be the
+    predicted one); None when no n ≤ `most` does (or an arm has fewer than 2 values). With n in every
+    arm, se² = Σ_k c_k²·s_k²/n and ν = se⁴ / Σ_k (c_k²·s_k²/n)²/(n − 1)."""
     arms = {arm: np.asarray(samples[arm], dtype=np.float64) for arm in contrast}
-    if any(len(x) < 2 for x in arms.values()):
+    if most < 2 or any(len(x) < 2 for x in arms.values()):
         return None
     est = abs(sum(c * arms[arm].mean() for arm, c in contrast.items()) - offset)
     spread = [c * c * arms[arm].var(ddof=1) for arm, c in contrast.items()]           # c_k²·s_k²
@@ -109,4 +110,4 @@ def seeds_to_decide(samples, contrast, offset=0.0, level=0.95, most=1000):
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if decides(mid) else (mid, high)
-    return max(high, 2)
+    return high

@@ -70,6 +70,9 @@ def test_seeds_to_decide_against_a_hand_computation():
         return np.mean(x) + np.std(x, ddof=1) * z / np.std(z, ddof=1)
     assert stats.welch_interval({"a": at(n, a), "b": at(n, b)}, {"a": 1, "b": -1})[1] > 0
     assert stats.welch_interval({"a": at(n - 1, a), "b": at(n - 1, b)}, {"a": 1, "b": -1})[1] <= 0
+    # a negative estimate decides on its own side, as many seeds
+    assert stats.seeds_to_decide({"a": a, "b": b}, {"a": -1, "b": 1}) == n
+    assert stats.welch_interval({"a": at(n, a), "b": at(n, b)}, {"a": -1, "b": 1})[2] < 0
 
 
 def test_welch_interval_against_a_hand_computation():
