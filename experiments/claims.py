@@ -286,9 +286,9 @@ CLAIMS = {
         ["charts/frac_zero_std", "charts/reward_mean"], by_samples=True, pins=["--group-size", "8"]),
     "c10": Claim(
         "GRPO needs a cleaner reward than PPO: noise enters the group ranking directly.",
-        "The default job with the exact-answer reward flipped (1 ↔ 0) at random for a share p of the "
-        "rows (experiments/rewards.py: flip_10, flip_20; p = 0 is the plain reward), GRPO and PPO (the "
-        "critic lr of C5's sweep). Held-out accuracy is rescored without noise. Metric: held-out "
+        "The default job with each row's exact-answer reward flipped (1 ↔ 0) with probability p "
+        "(experiments/rewards.py: flip_10, flip_20; p = 0 is the plain reward), GRPO and PPO (the "
+        "critic lr of C5's sweep). Held-out accuracy is rescored without noise from the saved answers. Metric: held-out "
         "accuracy AUC. Predicted: the noise costs GRPO more than PPO, "
         "(GRPO_0 − GRPO_p) − (PPO_0 − PPO_p) > 0, at p = 0.2 (the verdict) and 0.1.",
         {"grpo_p0": [], "grpo_p0.1": ["--reward", "experiments/rewards.py:flip_10"],
