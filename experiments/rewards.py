@@ -28,7 +28,7 @@ def verbose_judge(prompts, completions, answer, completion_ids, **fields):
 
 
 def flipped(p):
-    """exact_answer flipped at random for a share p of the rows (see the module docstring)."""
+    """exact_answer flipped for each row with probability p (see the module docstring)."""
 
     def reward(prompts, completions, answer, **fields):
         correct = exact_answer(prompts, completions, answer)
