@@ -66,12 +66,18 @@ def welch_interval(samples, contrast, offset=0.0, level=0.95):
         return est, None, None, None
     terms = [(c * c * arms[arm].var(ddof=1) / len(arms[arm]), len(arms[arm]))    # c_k²·s_k²/n_k, n_k
              for arm, c in contrast.items()]
+    half, df = half_width(terms, level)
+    return est, est - half, est + half, df
+
+
+def half_width(terms, level=0.95):
+    """(t_{(1+level)/2, ν}·se, ν) of Welch's interval from its terms [(c_k²·s_k²/n_k, n_k)];
+    (0, ∞) when se = 0."""
     se2 = sum(v for v, _ in terms)
     if se2 == 0:
-        return est, est, est, float("inf")
+        return 0.0, float("inf")
     df = se2 ** 2 / sum(v * v / (n - 1) for v, n in terms if v > 0)
-    half = t_quantile(0.5 + level / 2, df) * math.sqrt(se2)
-    return est, est - half, est + half, df
+    return t_quantile(0.5 + level / 2, df) * math.sqrt(se2), df
 
 
 def verdict(low, high, direction):
@@ -98,11 +104,7 @@ def seeds_to_decide(samples, contrast, offset=0.0, level=0.95, most=1000):
     spread = [c * c * arms[arm].var(ddof=1) for arm, c in contrast.items()]           # c_k²·s_k²
 
     def decides(n):
-        se2 = sum(spread) / n
-        if se2 == 0:
-            return est > 0
-        df = se2 ** 2 / sum((v / n) ** 2 / (n - 1) for v in spread if v > 0)
-        return t_quantile(0.5 + level / 2, df) * math.sqrt(se2) < est
+        return half_width([(v / n, n) for v in spread], level)[0] < est
 
     if not decides(most):
         return None

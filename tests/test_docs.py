@@ -168,15 +168,16 @@ def test_readme_is_short_and_indexes_every_docs_page():
         assert f"](docs/{os.path.basename(path)})" in readme, path
 
 
-def unicode_minus_to_ascii(text):
+def plain_cell(text):
+    """A table cell as the checks compare it: ASCII minus, no bold, no padding."""
     return text.replace("−", "-").replace("**", "").strip()
 
 
 def first_test(results_md):
     """(verdict, estimate, [low, high]) of the first row of a claim table's pre-stated tests."""
     section = results_md.split("## Pre-stated tests", 1)[1]
-    row = [line for line in section.splitlines() if line.startswith("| ")][1:][0]      # past the header
-    cells = [unicode_minus_to_ascii(c) for c in row.strip("|").split("|")]
+    row = [line for line in section.splitlines() if line.startswith("| ")][1]      # past the header
+    cells = [plain_cell(c) for c in row.strip("|").split("|")]
     return cells[6], cells[4], re.match(r"(\[[^\]]*\])", cells[5]).group(1)
 
 
@@ -187,7 +188,7 @@ def claims_quote_problems(readme, results_dir):
     problems = []
     section = readme.split("## The article's claims, measured", 1)[1].split("\n## ", 1)[0]
     for row in [line for line in section.splitlines() if re.match(r"\| C\d+ ", line)]:
-        cells = [unicode_minus_to_ascii(c) for c in row.strip("|").split("|")]
+        cells = [plain_cell(c) for c in row.strip("|").split("|")]
         claim, verdict, difference = cells[0].split()[0], cells[1], cells[2]
         path = os.path.join(results_dir, f"{claim.lower()}.md")
         if not os.path.exists(path):
