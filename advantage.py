@@ -37,7 +37,7 @@ import argparse
 
 import torch
 
-from grpo import files, settings
+from grpo import files, outputs, provenance, settings
 from grpo.cli import ArgumentParser, StageError, run_cli
 from grpo.diagnostics import group_mean_std, no_signal_groups
 from grpo.settings import at_least, between
@@ -237,6 +237,7 @@ def build_parser():
                         "the loss)")
     p.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=None,
                    help="gae: normalise A over the batch's real tokens to mean 0, std 1 (default on)")
+    provenance.add_flag(p)
     return p
 
 
@@ -267,7 +268,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    outputs.check_file(args.out, "advantage.py", files.ADVANTAGES[0], (args.rewards, args.rollouts))
     data, _, _ = files.load_tensors(args.rewards, files.REWARDS)
+    made_from = provenance.rewards_of_rollouts(args.rewards, args.rollouts, args.allow_mismatch)
     rollouts = None
     if args.estimator == "gae":                                           # groups play no part
         rollouts = files.load_gae_rollouts(args.rollouts, args.rewards, data, args.kl_in_reward)
@@ -279,7 +282,7 @@ def main(argv=None):
         raise StageError(f"{args.rewards}: --length-strata needs the 'lengths' key, which score.py writes")
     tensors = compute_advantages(data["rewards"], data["group_ids"], args, data.get("lengths"), rollouts,
                                  data.get("skipped"))
-    files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args))
+    files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args), made_from=made_from)
     if rollouts is not None:
         mask = rollouts["completion_mask"]                                                     # [N, T]
         print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions "

@@ -45,7 +45,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import distributed, files, lora, modeling, settings
+from grpo import distributed, files, lora, modeling, outputs, provenance, settings
 from grpo.rollouts import concat_rollouts, sample_rows, stack_completions
 from grpo.settings import above, at_least, between
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
@@ -59,7 +59,7 @@ def truncate(z, top_k=0, top_p=1.0, min_p=0.0):
     likely tokens whose probability reaches p), then min-p (tokens below min_p × the most likely
     one's probability) leave out set to −inf, in that order (as transformers' warpers). 0, 1.0, 0.0:
     off."""
-    if top_k:
+    if 0 < top_k < z.shape[-1]:         # k at least the vocabulary keeps every token, as transformers does
         keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, z.topk(top_k, dim=-1).indices, True)
         z = z.masked_fill(~keep, -torch.inf)                                        # exactly k tokens
     if top_p < 1.0:
@@ -140,8 +140,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows).
     log π_ref comes from `ref_model` and PPO's V_t from `critic`, when given."""
     device = next(policy.parameters()).device
-    context = getattr(policy.config, "max_position_embeddings", None)
-    max_len = context - args.max_new_tokens if context else None
+    max_len = modeling.prompt_room(policy, args.max_new_tokens)
     path, lines = where                                 # the records' file and lines, for messages
     texts, token_lists = modeling.render_prompts(records, tokenizer, path, max_len, lines)
     G = args.group_size
@@ -201,12 +200,15 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("pr
 # ----------------------------------------------------------------------------------------
 # Reading and writing files
 
-def write_outputs(out_dir, tensors, samples, args):
+def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None):
     """samples.jsonl, then rollouts.safetensors, each renamed into place when complete; the rollouts,
-    which every later stage opens first, appear last."""
-    os.makedirs(out_dir, exist_ok=True)
+    which every later stage opens first, appear last. Their metadata's made_from names the policy that
+    sampled them and their samples.jsonl rows (grpo/provenance.py)."""
+    files.make_dir(out_dir)
     files.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
-    files.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, files.ROLLOUTS[0], vars(args))
+    made_from = {"policy": policy_fingerprint, "samples": provenance.samples_digest(samples)}
+    files.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, files.ROLLOUTS[0], vars(args),
+                       made_from=made_from)
 
 
 # ----------------------------------------------------------------------------------------
@@ -243,6 +245,7 @@ def build_parser():
     p.add_argument("--ignore-eos", action="store_true",
                    help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     lora.add_flags(p)
+    provenance.add_flag(p)
     add_runtime_flags(p)
     return p
 
@@ -262,13 +265,16 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    outputs.check_dir(args.out, "sample.py")
     records, lines = files.select_records(args.prompts, args.start, args.num_prompts)
     args.num_prompts = len(records)
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     policy = lora.load_policy(args.model, device, args)
-    ref_model = args.ref_model and (lora.reference(policy, args.ref_model)        # LoRA: the base, disabled
-                                    or modeling.load_model(args.ref_model, device, args.trust_remote_code))
+    for path, role in ((args.ref_model, "reference"), (args.critic, "critic")):
+        if path:
+            provenance.check_tokenizer(tokenizer, path, role, args.allow_mismatch, args.trust_remote_code)
+    ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     critic = modeling.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 
     t0 = time.perf_counter()
@@ -277,7 +283,8 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     if not distributed.is_main():
         return
-    write_outputs(args.out, tensors, samples, args)
+    write_outputs(args.out, tensors, samples, args, provenance.fingerprint(policy))
+    outputs.mark_dir(args.out, "sample.py", ["rollouts.safetensors", "samples.jsonl"])
 
     lengths = tensors["completion_mask"].sum(-1).float()
     print(f"sampled {len(samples)} completions ({len(records)} prompts × G={args.group_size}) in "

@@ -33,7 +33,7 @@ import numbers
 
 import torch
 
-from grpo import distributed, files, reward_specs, settings
+from grpo import distributed, files, outputs, provenance, reward_specs, settings
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn
 from grpo.settings import FINITE, at_least
 
@@ -164,7 +164,7 @@ def trl_inputs(samples):
     return prompts, completions
 
 
-def write_rewards(path, rewards, group_ids, components, args, lengths=None, skipped=None):
+def write_rewards(path, rewards, group_ids, components, args, lengths=None, skipped=None, made_from=None):
     tensors = {"rewards": rewards, "group_ids": group_ids}
     tensors.update({f"reward/{k}": c for k, c in components.items()})
     if lengths is not None:
@@ -172,7 +172,7 @@ def write_rewards(path, rewards, group_ids, components, args, lengths=None, skip
     if skipped is not None and skipped.any():
         tensors["skipped"] = skipped
         tensors["rewards"] = torch.where(skipped, 0.0, rewards)              # the length terms too
-    files.save_tensors(path, tensors, files.REWARDS[0], vars(args))
+    files.save_tensors(path, tensors, files.REWARDS[0], vars(args), made_from=made_from)
 
 
 def read_samples(path, group_ids):
@@ -221,6 +221,7 @@ def build_parser():
                         "them in 'skipped', and warn")
     p.add_argument("--out", required=True, help="output rewards.safetensors")
     p.add_argument("--micro-batch-size", type=int, default=0, help="rows per reward-model pass (default all)")
+    provenance.add_flag(p)
     add_runtime_flags(p)
     return p
 
@@ -251,6 +252,7 @@ def check_overlong(buffer, max_len):
 
 def main(argv=None):
     args = parse_args(argv)
+    outputs.check_file(args.out, "score.py", files.REWARDS[0], (args.rollouts, args.samples))
     rollouts, meta, _ = files.load_tensors(args.rollouts, ROLLOUTS_FOR_SCORING)
     lengths = rollouts["completion_mask"].sum(-1) if "completion_mask" in rollouts else None      # [N]
     if args.overlong_buffer or args.length_penalty:
@@ -262,6 +264,7 @@ def main(argv=None):
         if args.overlong_buffer:
             check_overlong(args.overlong_buffer, args.max_new_tokens)
     samples = read_samples(args.samples, rollouts["group_ids"])
+    made_from = provenance.samples_of_rollouts(args.rollouts, args.samples, samples, args.allow_mismatch)
     device = distributed.init_distributed(args.device)
     reward_fns = [reward_specs.load_reward(spec, device, args.micro_batch_size, args.trust_remote_code)
                   for spec in args.reward]
@@ -273,7 +276,7 @@ def main(argv=None):
         rewards = length_shaping(rewards, components, lengths, args)
     if not distributed.is_main():
         return
-    write_rewards(args.out, rewards, rollouts["group_ids"], components, args, lengths, skipped)
+    write_rewards(args.out, rewards, rollouts["group_ids"], components, args, lengths, skipped, made_from)
     parts = ", ".join(f"{k} {v.nanmean().item():.3f}" for k, v in components.items())
     kept = rewards[~skipped]                                                                # [n]
     print(f"scored {len(samples)} completions: reward mean {kept.mean().item():.4f} "

@@ -36,7 +36,8 @@ import advantage
 import sample
 import score
 import update
-from grpo import checkpoints, diagnostics, distributed, evaluation, files, runs, settings, tasks
+from grpo import (checkpoints, diagnostics, distributed, evaluation, files, outputs, provenance, runs, settings,
+                  tasks)
 from grpo.cli import StageError, run_cli, warn
 from grpo.rollouts import dapo_dynamic_sampling
 
@@ -75,7 +76,7 @@ STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "up
 OWNED = {"sample.py": {"model", "prompts", "out", "start", "seed", "ref_model", "critic"},
          "score.py": {"rollouts", "samples", "out"},
          "advantage.py": {"rewards", "out", "rollouts"},
-         "update.py": {"model", "rollouts", "advantages", "out", "critic", "critic_out", "seed",
+         "update.py": {"model", "rollouts", "advantages", "out", "ref_model", "critic", "critic_out", "seed",
                        "total_steps", "fresh_optimizer"}}
 FLAGS = settings.stage_flags({script: stage.build_parser() for script, stage in STAGES.items()}, OWNED)
 
@@ -93,6 +94,9 @@ def train(cfg, run_dir, resume, records):
     done, bad_steps = distributed.broadcast_ints(checkpoints.restore(run_dir) if resume and main else (0, 0))
     if done > cfg.iterations:
         raise StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
+    if resume and main:
+        print(f"resuming {run_dir} from its last save, after {done} iterations; iterations {done}.."
+              f"{cfg.iterations - 1} follow", flush=True)
     train_records, held_out, where = records
     held_out = held_out[:cfg.eval_prompts] if cfg.eval_every else []
     models, optimizer, reward_fns = runs.start(cfg, run_dir, done, [(train_records, *where["train"]), (
@@ -145,19 +149,23 @@ def train(cfg, run_dir, resume, records):
             samples = runs.with_outputs(batch["samples"], rewards, batch["components"], skipped,
                                         adv["advantages"], rollouts["completion_mask"])
             with runs.timed(perf, "perf/io_s"):
-                if main:
+                if main:            # each file's made_from names the one before it (grpo/provenance.py)
                     files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
-                    sample.write_outputs(it_dir, rollouts, samples, sample_args)
+                    sample.write_outputs(it_dir, rollouts, samples, sample_args, provenance.fingerprint(models.sampler))
+                    made_from = provenance.rewards_made_from(score_args.rollouts, samples)
                     score.write_rewards(score_args.out, rewards, rollouts["group_ids"], batch["components"],
-                                        score_args, lengths, skipped)
-                    files.save_tensors(advantage_args.out, adv, files.ADVANTAGES[0], vars(advantage_args))
+                                        score_args, lengths, skipped, made_from)
+                    made_from = provenance.advantages_made_from(score_args.out, made_from["rollouts"])
+                    files.save_tensors(advantage_args.out, adv, files.ADVANTAGES[0], vars(advantage_args),
+                                       made_from=made_from)
             # Stage 4: the clipped policy update.
             update_args = stage_args("update.py", cfg, it_dir, i, i, paths, commands)
             with runs.timed(perf, "perf/checkpoint_s"):
                 saver.wait()                              # a save in flight reads the weights it changes
             with runs.timed(perf, "perf/update_s"):
                 losses = update.train_policy(models.policy, optimizer, rollouts, adv["advantages"],
-                                             update_args, models.critic, adv.get("returns"))
+                                             update_args, models.critic, adv.get("returns"),
+                                             models.ref if update_args.ref_logprobs != "rollouts" else None)
                 if models.sampler is not models.policy:   # FSDP: the full copy that samples follows
                     models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy),
                                                    strict=False)
@@ -171,7 +179,7 @@ def train(cfg, run_dir, resume, records):
                 checkpoints.write_replay(it_dir, i, commands)
             if main and i == 0 and cfg.algo == "grpo":
                 spread = diagnostics.reward_spread(rewards, cfg.group_size, skipped)
-                tqdm.write("\n".join(diagnostics.spread_report(spread, cfg.group_size)))
+                tqdm.write("\n".join(diagnostics.spread_report(spread, cfg.group_size, cfg.estimator)))
             flags = diagnostics.collapse_flags(metrics, previous)
             metrics.update(flags, **held_out_metrics)
             if flags["diversity/collapse"]:
@@ -212,8 +220,9 @@ def sample_and_score(slot, i, cfg, it_dir, models, paths, records, reward_fns, p
     records = tasks.iteration_records(records, slot, cfg.num_prompts, cfg.seed)
     with runs.timed(perf, "perf/sample_s"):
         critic = distributed.unwrap(models.critic.model) if models.critic else None
+        ref = models.ref if sample_args.ref_model else None
         rollouts, samples = sample.rollout_sharded(models.sampler, models.tokenizer, records, sample_args,
-                                                   models.ref, (sample_args.prompts, None), critic)
+                                                   ref, (sample_args.prompts, None), critic)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
     with runs.timed(perf, "perf/score_s"):
         rewards, components, skipped = score.score_sharded(
@@ -236,14 +245,19 @@ def stage_args(script, cfg, it_dir, slot, i, paths, commands):
     minibatches = len(distributed.row_slices(cfg.num_prompts * cfg.group_size, cfg.minibatch_size))
     policy_out = os.path.join(os.path.dirname(it_dir), "policy")
     critic = paths["critic"]
+    # log π_ref is the update's (computed beside log π_θ); the rollouts hold it only where it is read
+    # before the update (PPO's --kl-in-reward) or instead of it (--ref-logprobs rollouts).
+    ref_in_rollouts = cfg.kl_in_reward != 0 or cfg.ref_logprobs == "rollouts"
     own = {"sample.py": dict(model=paths["model"], prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
-                             ref_model=paths["ref_model"], critic=critic, seed=cfg.seed * 1_000_003 + slot),
+                             ref_model=paths["ref_model"] if ref_in_rollouts else None, critic=critic,
+                             seed=cfg.seed * 1_000_003 + slot),
            "score.py": dict(rollouts=path["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"),
                             out=path["rewards"]),
            "advantage.py": dict(rewards=path["rewards"], out=path["advantages"],
                                 rollouts=path["rollouts"] if cfg.estimator == "gae" else None),
            "update.py": dict(model=paths["model"], rollouts=path["rollouts"], advantages=path["advantages"],
                              out=policy_out, critic=critic,
+                             ref_model=None if cfg.ref_logprobs == "rollouts" else paths["ref_model"],
                              critic_out=os.path.join(policy_out, "critic") if critic else None,
                              seed=cfg.seed * 1_000_003 + i,
                              total_steps=cfg.iterations * cfg.epochs * minibatches)}
@@ -273,13 +287,14 @@ def parse_args(argv=None):
     kinds = settings.kinds(p, FLAGS, COMMAND)
     for action in p._actions:
         action.default = None                   # parsed again: the settings given on the command line
-    given = {k: v for k, v in vars(p.parse_args(argv)).items() if k not in COMMAND and v is not None}
+    given = runs.absolute_paths({k: v for k, v in vars(p.parse_args(argv)).items()
+                                 if k not in COMMAND and v is not None})
     name = os.path.splitext(os.path.basename(args.config_file))[0] if args.config_file else args.config
     run_dir = args.run_dir or os.path.join("runs", name or "default")
     if args.resume:
-        if not os.path.isfile(os.path.join(run_dir, "config.json")):
-            raise StageError(f"{run_dir}: no config.json to resume from")
-        cfg = settings.read_config(os.path.join(run_dir, "config.json"), defaults, kinds)
+        if not runs.is_run(run_dir):
+            raise StageError(f"{run_dir}: not a run folder (no config.json of train.py) to resume")
+        cfg = runs.absolute_paths(settings.read_config(os.path.join(run_dir, "config.json"), defaults, kinds))
         resumable = RESUMABLE - ({"iterations"} if cfg["lr_schedule"] != "constant" else set())
         changed = {k for k, v in given.items() if k not in resumable and v != cfg[k]}
         if changed:                            # a decaying learning rate spans the run's iterations
@@ -287,10 +302,12 @@ def parse_args(argv=None):
                              f"--{', --'.join(sorted(changed)).replace('_', '-')}")
     else:
         if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
+            if not runs.is_run(run_dir):
+                outputs.check_dir(run_dir, "train.py", "--run-dir")           # a folder not of a run
             raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
                              f"--run-dir")
-        cfg = settings.read_config(args.config_file, defaults, kinds) if args.config_file else {
-            **defaults, **CONFIGS[args.config or "default"]}
+        cfg = runs.absolute_paths(settings.read_config(args.config_file, defaults, kinds) if args.config_file
+                                  else {**defaults, **CONFIGS[args.config or "default"]})
     cfg = argparse.Namespace(**{**cfg, **given})
     cfg.reward = cfg.reward or tasks.TASKS[cfg.task][1]
     settings.check(cfg, runs.RULES)

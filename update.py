@@ -9,7 +9,8 @@ For every completion token o_t of completion o_i (DeepSeekMath, eq. 3; docs/form
 
 Reads   --model DIR        the policy π_θ (π_old before the first step), and AdamW's state if DIR
                            holds optimizer.safetensors (unless --fresh-optimizer)
-        --rollouts FILE    rollouts.safetensors: ids and masks, old_logprobs, ref_logprobs [N, T]
+        --ref-model DIR    π_ref (default: the one the rollouts were sampled against)
+        --rollouts FILE    rollouts.safetensors: ids and masks, old_logprobs [N, T]
         --advantages FILE  advantages.safetensors: advantages [N] (or [N, T]), group_ids [N]
 Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (docs/formats.md)
 
@@ -33,6 +34,10 @@ Choices where the paper and docs/formats.md are silent:
   on a GPU it is recomputed by this forward before the first step (--old-logprobs recompute),
   because the sampler's bf16 steps differ from a full forward by rounding, and a tight clip band
   (GSPO's) would count that rounding as policy change.
+- log π_ref is computed in every micro-batch by the call that computes log π_θ, on the same rows
+  and shapes, without gradients (as TRL does), not read from the rollouts' ref_logprobs: computed
+  in the sampler's shapes those differ by ~1e-5, and AdamW turns that rounding into lr-sized steps
+  away from π_ref on a batch with no signal (docs/numerics.md; --ref-logprobs rollouts reads them).
 - x = log π_ref − log π_θ is clamped to ±20 inside k3 (e^x overflows float32 at 88), and β = 0
   leaves the penalty out of ℓ_t altogether.
 - μ = --epochs passes, each a seeded shuffle of the N rows cut into minibatches of
@@ -49,20 +54,20 @@ Choices where the paper and docs/formats.md are silent:
   every step, whoever built the optimizer (train.py builds it once per run).
 - Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step; gradients are
   clipped to --max-grad-norm; a row with no completion token is an error.
-- --out DIR is replaced as a unit, so it must be new, empty, or an earlier checkpoint.
+- --out DIR is replaced as a unit, so it must be new, empty, or an earlier output of update.py
+  (grpo/outputs.py); the inputs must belong together (grpo/provenance.py, --allow-mismatch).
 """
 
 import argparse
 import json
-import os
 import time
 
 import torch
 from tqdm import tqdm
 
-from grpo import checkpoints, diagnostics, distributed, files, lora, modeling, optim, settings
+from grpo import checkpoints, diagnostics, distributed, files, lora, modeling, optim, outputs, provenance, settings
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn, warn_once
-from grpo.settings import above, at_least, between
+from grpo.settings import above, above_or_inf, at_least, between
 from grpo.update_metrics import UpdateMetrics
 
 
@@ -130,73 +135,78 @@ def clipped_value_loss(values, old_values, returns, value_clip):
 # ----------------------------------------------------------------------------------------
 # The loop: μ epochs → minibatches (one AdamW step each) → micro-batches (one backward each)
 
-def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, returns=None):
-    """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict. With a
-    `critic` (optim.Critic, PPO), each minibatch also steps the critic on the clipped value loss
-    towards `returns`. Under torchrun each rank runs its share of every minibatch
-    (distributed.micro_batches) with the whole minibatch's normalisers, so the step is the
-    one-process step."""
-    rollouts = training_rows(policy, rollouts, advantages, returns, args)
+def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, returns=None, ref_model=None):
+    """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict.
+
+    log π_ref comes from `ref_model` by the very call that computes log π_θ, on the same rows and
+    shapes, so at θ = θ_ref the two are equal to the bit (docs/numerics.md); without one, from the
+    rollouts' ref_logprobs. With a `critic` (optim.Critic, PPO), each minibatch also steps the critic
+    on the clipped value loss towards `returns`. Under torchrun each rank runs its share of every
+    minibatch (distributed.micro_batches) with the whole minibatch's normalisers: the one-process step."""
     N, device = rollouts["group_ids"].shape[0], next(policy.parameters()).device
+    generator = torch.Generator().manual_seed(args.seed)
+    minibatches = distributed.row_slices(N, args.minibatch_size)
+    plan = [[order[mb] for mb in minibatches]                    # [M] rows of each step, epoch by epoch
+            for order in (torch.randperm(N, generator=generator) for _ in range(args.epochs))]
+    rollouts = training_rows(policy, rollouts, advantages, returns, args, plan[0])
     models = [policy] + ([critic.model] if critic else [])
     optimizers = [optimizer] + ([critic.optimizer] if critic else [])
-    log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level, "ref_logprobs" in rollouts,
-                        len(models))
-    generator, skipped = torch.Generator().manual_seed(args.seed), 0
-    minibatches = distributed.row_slices(N, args.minibatch_size)
+    log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level,
+                        ref_model is not None or "ref_logprobs" in rollouts, len(models))
+    skipped = 0
     bar = tqdm(total=args.epochs * len(minibatches), desc="update", leave=False,
                disable=None if distributed.is_main() else True)
-    with modeling.gradient_checkpointing(models, args.gradient_checkpointing), lora.dropout(policy,
-                                                                                           args.lora_dropout):
-        for epoch in range(args.epochs):
-            order = torch.randperm(N, generator=generator)                                       # [N]
-            for minibatch in minibatches:
-                rows = order[minibatch]                                                          # [M]
-                num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                log.start()
-                passes = distributed.micro_batches(rows, args.micro_batch_size)   # this rank's share
-                for k, (idx, weight) in enumerate(passes):
-                    batch = {key: v[idx].to(device) for key, v in rollouts.items()}
-                    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]              # [n, T]
-                    with distributed.grad_sync(policy, k == len(passes) - 1):
-                        logp, entropy = modeling.completion_logprobs(
-                            policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask,
-                            args.temperature, with_entropy=True, entropy_grad=args.entropy_coef != 0,
-                            share_prefix=args.prefix_sharing)                             # log π_θ [n, T]
-                        token_loss, terms = grpo_token_loss(
-                            logp, batch["old_logprobs"], batch.get("ref_logprobs"), batch["advantages"], mask,
-                            args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level,
-                            args.kl_estimator, entropy, args.entropy_coef)                      # ℓ_t [n, T]
-                        loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
-                                         args.max_new_tokens)
-                        (loss * weight).backward()   # DDP and FSDP average over ranks; × world: a sum
-                    terms.update(logp=logp, entropy=entropy, policy_loss=aggregate(
-                        terms["pg_loss"].detach(), loss_mask, args.loss_agg, num_seqs, num_tokens,
-                        args.max_new_tokens))
-                    if critic:
-                        with distributed.grad_sync(critic.model, k == len(passes) - 1):
-                            V = modeling.completion_values(                                        # V_t [n, T]
-                                critic.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                mask, args.prefix_sharing)
-                            value_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"],
-                                                                     args.value_clip)
-                            value_loss = aggregate(value_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
-                                                   args.max_new_tokens)
-                            (args.vf_coef * value_loss * weight).backward()
-                        terms.update(value_loss=value_loss.detach(), value=V.detach(), value_clipped=clipped)
-                    if weight:                    # weight 0: a padding pass, for the collectives alone
-                        log.add(batch, loss, terms)
-                grad_norms = [optim.clip_gradients(model, args.max_grad_norm) for model in models]
-                bar.update(1)
-                if not log.end_minibatch(grad_norms):      # NaN or inf would reach every weight
-                    skipped = optim.skip_step(optimizers, skipped, grad_norms, log.sums["loss"],
-                                              args.max_bad_steps)
-                    continue
-                lr = optim.step(optimizers, args)
-                log.step(num_tokens, lr)
-                bar.set_postfix(loss=f"{log.sums['loss']:.4f}")
+    with (modeling.gradient_checkpointing(models, args.gradient_checkpointing),
+          lora.dropout(policy, args.lora_dropout, args.seed)):
+        for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
+            num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            log.start()
+            passes = distributed.micro_batches(rows, args.micro_batch_size)   # this rank's share
+            for k, (idx, weight) in enumerate(passes):
+                batch = {key: v[idx].to(device) for key, v in rollouts.items()}
+                mask, loss_mask = batch["completion_mask"], batch["loss_mask"]                  # [n, T]
+                inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask)
+                ref_logp = batch.get("ref_logprobs")                                           # [n, T]
+                if ref_model is not None:
+                    with torch.no_grad():
+                        ref_logp = modeling.completion_logprobs(ref_model, *inputs, args.temperature,
+                                                                share_prefix=args.prefix_sharing)  # log π_ref
+                with distributed.grad_sync(policy, k == len(passes) - 1):
+                    logp, entropy = modeling.completion_logprobs(
+                        policy, *inputs, args.temperature, with_entropy=True,
+                        entropy_grad=args.entropy_coef != 0, share_prefix=args.prefix_sharing)  # log π_θ [n, T]
+                    token_loss, terms = grpo_token_loss(
+                        logp, batch["old_logprobs"], ref_logp, batch["advantages"], mask,
+                        args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level,
+                        args.kl_estimator, entropy, args.entropy_coef)                          # ℓ_t [n, T]
+                    loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
+                                     args.max_new_tokens)
+                    (loss * weight).backward()   # DDP and FSDP average over ranks; × world: a sum
+                terms.update(logp=logp, ref_logp=ref_logp, entropy=entropy, policy_loss=aggregate(
+                    terms["pg_loss"].detach(), loss_mask, args.loss_agg, num_seqs, num_tokens,
+                    args.max_new_tokens))
+                if critic:
+                    with distributed.grad_sync(critic.model, k == len(passes) - 1):
+                        V = modeling.completion_values(critic.model, *inputs, args.prefix_sharing)  # V_t [n, T]
+                        value_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"],
+                                                                 args.value_clip)
+                        value_loss = aggregate(value_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
+                                               args.max_new_tokens)
+                        (args.vf_coef * value_loss * weight).backward()
+                    terms.update(value_loss=value_loss.detach(), value=V.detach(), value_clipped=clipped)
+                if weight:                    # weight 0: a padding pass, for the collectives alone
+                    log.add(batch, loss, terms)
+            grad_norms = [optim.clip_gradients(model, args.max_grad_norm) for model in models]
+            bar.update(1)
+            if not log.end_minibatch(grad_norms):      # NaN or inf would reach every weight
+                skipped = optim.skip_step(optimizers, skipped, grad_norms, log.sums["loss"],
+                                          args.max_bad_steps)
+                continue
+            lr = optim.step(optimizers, args)
+            log.step(num_tokens, lr)
+            bar.set_postfix(loss=f"{log.sums['loss']:.4f}")
     bar.close()
     metrics = log.summary(skipped)
     if critic:                           # how much of the returns' variance the sampled V_old explained
@@ -207,19 +217,21 @@ def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, ret
     return metrics
 
 
-def training_rows(policy, rollouts, advantages, returns, args):
+def training_rows(policy, rollouts, advantages, returns, args, first_epoch):
     """The rollouts the update trains on, with their advantages (and the critic's `returns`):
     loss_mask is completion_mask, less the truncated rows with --mask-truncated (DAPO's overlong
-    filtering); with --old-logprobs recompute, log π_old comes from the policy as it is now."""
+    filtering). With --old-logprobs recompute, log π_old comes from the policy as it is now, in the
+    passes of the first epoch (`first_epoch`: its minibatches' rows), every rank's, so that the first
+    step's ratio is exactly 1."""
     loss_mask = rollouts["completion_mask"]                                                # [N, T]
     if args.mask_truncated:
         loss_mask = loss_mask & ~rollouts["truncated"][:, None]
     rollouts = {**rollouts, "loss_mask": loss_mask, "advantages": advantages,
                 **({"returns": returns} if returns is not None else {})}
-    if args.old_logprobs == "recompute":
-        # Every rank computes all rows: under FSDP each forward is a collective.
-        rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature,
-                                                             args.micro_batch_size, args.prefix_sharing).cpu()
+    if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
+        passes = [idx for rows in first_epoch for idx in distributed.every_rank_passes(rows, args.micro_batch_size)]
+        rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature, 0,
+                                                             args.prefix_sharing, passes).cpu()
     return rollouts
 
 
@@ -231,6 +243,7 @@ def load_inputs(args):
     Sets args.temperature and args.max_new_tokens to what is used, so the output's metadata says it."""
     rollouts, meta, dims = files.load_tensors(args.rollouts, files.ROLLOUTS)
     adv, _, adv_dims = files.load_tensors(args.advantages, files.ADVANTAGES)
+    provenance.advantages_of_rollouts(args.advantages, args.rollouts, args.allow_mismatch)
     if adv_dims["N"] != dims["N"]:
         raise StageError(f"{args.advantages}: has {adv_dims['N']} rows, {args.rollouts} has {dims['N']}")
     if not torch.equal(adv["group_ids"], rollouts["group_ids"]):
@@ -239,9 +252,16 @@ def load_inputs(args):
     if "T" in adv_dims and adv_dims["T"] != dims["T"]:
         raise StageError(f"{args.advantages}: per-token advantages have T = {adv_dims['T']}, "
                          f"the rollouts have T = {dims['T']}")
-    if args.beta != 0 and "ref_logprobs" not in rollouts:
+    if args.ref_logprobs != "rollouts":                  # π_ref: --ref-model, or the one the rollouts name
+        args.ref_model = args.ref_model or meta.get("ref_model")
+    if args.ref_logprobs is None:                        # a file made by hand names none: its ref_logprobs
+        args.ref_logprobs = "recompute" if args.ref_model else "rollouts"
+    if args.ref_logprobs == "recompute" and not args.ref_model:
+        raise StageError(f"{args.rollouts}: --ref-logprobs recompute, but no reference model is named; pass "
+                         f"--ref-model")
+    if args.ref_logprobs == "rollouts" and args.beta != 0 and "ref_logprobs" not in rollouts:
         raise StageError(f"{args.rollouts}: no 'ref_logprobs' but --beta is {args.beta}; sample with "
-                         f"--ref-model, or train with --beta 0")
+                         f"--ref-model, pass --ref-model, or train with --beta 0")
     empty = torch.nonzero(~rollouts["completion_mask"].any(-1)).flatten()
     if len(empty):
         raise StageError(f"{args.rollouts}: rows {files.format_rows(empty)} have no completion token "
@@ -268,7 +288,8 @@ def build_parser():
     p.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
     p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
     p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
-    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument("--lr", type=float, default=1e-6,
+                   help="AdamW learning rate (default 1e-6; 0: a frozen control run)")
     p.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
                    help="lr by AdamW step: constant, or a linear or cosine decay to 0 at --total-steps")
     p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over this many AdamW steps")
@@ -295,6 +316,14 @@ def build_parser():
     p.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
                    help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
                         "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
+    p.add_argument("--ref-model", default=None,
+                   help="π_ref: the frozen reference (folder or Hub id; default: the rollouts' --ref-model);\n"
+                        "its log-probs are computed in each micro-batch by the call that computes log π_θ")
+    p.add_argument("--ref-logprobs", default=None, choices=["recompute", "rollouts"],
+                   help="log π_ref: recompute, from --ref-model beside log π_θ, in its shapes (equal to the bit\n"
+                        "at θ = θ_ref); rollouts, the file's ref_logprobs (computed in other shapes, they\n"
+                        "differ by rounding, which AdamW can turn into a step: docs/numerics.md). Default:\n"
+                        "recompute when a reference is named (--ref-model, or the rollouts'), else rollouts")
     p.add_argument("--critic", default=None, help="PPO: the critic V to train (from train.py --algo ppo)")
     p.add_argument("--critic-out", default=None, help="PPO: output folder of the critic and its AdamW state")
     p.add_argument("--critic-lr", type=float, default=None,
@@ -313,7 +342,8 @@ def build_parser():
                    help="run each distinct prompt of a micro-batch once and let its completions attend to\n"
                         "its keys and values (default); --no-prefix-sharing: each row's prompt its own\n"
                         "(the reference path; the same numbers). Off under --gradient-checkpointing")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient norm clipping (default 1.0)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the gradient's norm to this (default 1.0; inf: no clipping)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
     p.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
@@ -322,15 +352,16 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
     p.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
     lora.add_flags(p)
+    provenance.add_flag(p)
     add_runtime_flags(p)
     return p
 
 
 # What each setting may be, checked before anything is read or written (train.py's runs too).
-RULES = {"lr": above(0), "warmup_steps": at_least(0), "beta": at_least(0),
+RULES = {"lr": at_least(0), "warmup_steps": at_least(0), "beta": at_least(0),
          "clip_eps": between(0, 1, lo_open=True), "clip_eps_high": above(0), "dual_clip": above(1),
          "entropy_coef": at_least(0), "critic_lr": above(0), "vf_coef": at_least(0), "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0),
-         "micro_batch_size": at_least(0), "max_grad_norm": above(0), "weight_decay": at_least(0),
+         "micro_batch_size": at_least(0), "max_grad_norm": above_or_inf(0), "weight_decay": at_least(0),
          "temperature": above(0), "max_new_tokens": at_least(1), "max_bad_steps": at_least(0),
          **lora.RULES, "total_steps": at_least(1)}    # last: train.py derives it from the others
 
@@ -344,6 +375,9 @@ def parse_args(argv=None):
         raise StageError("--lora-r with --fsdp: LoRA adapters are not sharded here yet; use DDP (no --fsdp)")
     if args.lr_schedule != "constant" and not args.total_steps:
         raise StageError(f"--lr-schedule {args.lr_schedule} decays to 0 at --total-steps, which is missing")
+    if args.ref_model and args.ref_logprobs == "rollouts":
+        raise StageError("--ref-model with --ref-logprobs rollouts: the file's log π_ref would be used and the "
+                         "model not; give one")
     if (args.critic is None) != (args.critic_out is None):
         raise StageError("--critic and --critic-out go together: the critic read and the critic written")
     if args.critic_lr is None:
@@ -359,9 +393,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    checkpoints.check_out_dir(args.out)
+    outputs.check_dir(args.out, "update.py")
     if args.critic_out:
-        checkpoints.check_out_dir(args.critic_out)
+        outputs.check_dir(args.critic_out, "update.py", "--critic-out")
     if args.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
     if args.kl_estimator == "k1" and args.beta != 0:
@@ -370,30 +404,33 @@ def main(argv=None):
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     policy = lora.load_policy(args.model, device, args)          # or its LoRA adapters
+    if args.old_logprobs == "sampler":
+        provenance.policy_of_rollouts(args.rollouts, policy, args.model, args.allow_mismatch)
+    for path, role in ((args.ref_model, "reference"), (args.critic, "critic")):
+        if path:
+            provenance.check_tokenizer(tokenizer, path, role, args.allow_mismatch, args.trust_remote_code)
+    ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
-    optimizer = optim.adamw(policy, args.lr, args.weight_decay, optimizer_state(args.model, args))
+    optimizer = optim.adamw(policy, args.lr, args.weight_decay,
+                            optim.optimizer_state(args.model, args.fresh_optimizer))
     critic = None
     if args.critic:
         critic_model = modeling.load_critic(args.critic, device, args.trust_remote_code)
         critic_model = distributed.distribute(critic_model, args.fsdp)
         critic = optim.Critic(critic_model, optim.adamw(critic_model, args.critic_lr, args.weight_decay,
-                                                        optimizer_state(args.critic, args)))
+                                                        optim.optimizer_state(args.critic, args.fresh_optimizer)))
 
+    if not advantages.any():
+        warn(f"update: every advantage in {args.advantages} is 0, so the policy term moves nothing: the step "
+             f"follows β·KL (0 while θ = θ_ref) and the entropy bonus alone")
     t0 = time.perf_counter()
-    metrics = train_policy(policy, optimizer, rollouts, advantages, args, critic, returns)
+    metrics = train_policy(policy, optimizer, rollouts, advantages, args, critic, returns, ref_model or None)
     metrics["seconds"] = time.perf_counter() - t0
     checkpoints.save_policy(policy, tokenizer, optimizer, metrics, args, args.out)
     if critic:
         checkpoints.save_policy(critic.model, tokenizer, critic.optimizer, metrics, args, args.critic_out)
     if distributed.is_main():
         print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}))
-
-
-def optimizer_state(model, args):
-    """The model folder's optimizer.safetensors, to continue AdamW from; None without one or with
-    --fresh-optimizer."""
-    path = os.path.join(modeling.model_dir(model), "optimizer.safetensors")
-    return path if os.path.isfile(path) and not args.fresh_optimizer else None
 
 
 if __name__ == "__main__":

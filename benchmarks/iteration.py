@@ -20,7 +20,8 @@ Table 1, the default job's shape: B = 4 arithmetic chat prompts × G = 8, exactl
   project's runs and half after.
 - The sampler alone on the same batch, in this process: tokens per second of
   sample.sample_completions with and without sharing and of `model.generate` (median of
-  --floor-reps each), and the seconds of the shared sampler and of its reference pass apart.
+  --floor-reps each), and the seconds of the shared sampler and of the reference pass apart (train.py
+  runs the reference pass in the update, beside the policy's forward, and times it there).
 - The compute floor: the iteration's matmul FLOPs, counted from the model's config and the shape
   as the code computes them (iteration_matmuls: sampling's prefill and decode steps, the reference
   forward, the update's forward and backward, attention and the LM head where it is applied),
@@ -30,7 +31,7 @@ Table 1, the default job's shape: B = 4 arithmetic chat prompts × G = 8, exactl
 
 Table 2, how the saving grows: one prompt of about 40, 200 or 800 tokens (the arithmetic question
 after a filler passage) × G = 4, 8, 16 completions of 24 tokens. Each cell and path runs in its own
-child process: the project's sampler (with the reference pass), then one update.train_policy step
+child process: the project's sampler, then one update.train_policy step (with the reference pass)
 (forward, backward, AdamW); its seconds and the child's peak RSS (two copies of the model and
 AdamW's state included). A child the kernel kills for memory shows as `killed`, with its RSS then.
 
@@ -69,6 +70,9 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=1, help="train.py iterations not measured (default 1)")
     p.add_argument("--save-every", type=int, default=5, help="train.py's --save-every, the cycle measured (5)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="table 1 also times train.py of another checkout (an earlier commit: `git worktree add\n"
+                        "DIR REV`), alternating with this one's, twice each: the change's cost in one run")
     p.add_argument("--cell", nargs=3, type=int, metavar=("P", "G", "SHARE"), help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -107,11 +111,13 @@ def lever_setup(description, argv, reps_help):
 
 
 def iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask, group_size, share=True):
-    """An iteration's three stages as train.py runs them, each a function of the one before:
+    """An iteration's stages as train.py runs them, each a function of the one before:
     sampling(seed) → a rollouts dict (sample.sample_completions with the oneDNN LM head, as
-    sample.rollout samples), reference(rollouts) → log π_ref [N, T] (the reference pass), and
-    update_step(rollouts, ref_logprobs): one update.train_policy step (forward, backward, AdamW at lr
-    1e-6, advantages spread over −1..1). What they return are ordinary tensors (inference mode's
+    sample.rollout samples), and update_step(rollouts): one update.train_policy step (the reference
+    pass beside the policy's forward, then backward and AdamW at lr 1e-6, advantages spread over
+    −1..1). reference(rollouts) → log π_ref [N, T] is the reference pass alone, as sample.py runs it;
+    update_step(rollouts, ref_logprobs) trains on those instead (--ref-logprobs rollouts), for the
+    benchmarks that time the two apart. What they return are ordinary tensors (inference mode's
     outputs cloned), so the update can take them."""
     device, N = prompt_ids.device, prompt_ids.shape[0]
     uargs = update.parse_args(["--model", model_dir, "--rollouts", "-", "--advantages", "-", "--out", "-",
@@ -131,9 +137,11 @@ def iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
     def reference(rollouts):
         return modeling.rollout_logprobs(ref, rollouts, TAU, 0, share_prefix=share).clone()        # [N, T]
 
-    def update_step(rollouts, ref_logprobs):
-        rollouts = {k: v.cpu() for k, v in {**rollouts, "ref_logprobs": ref_logprobs}.items()}
-        update.train_policy(policy, optimizer, rollouts, torch.linspace(-1, 1, N), uargs)
+    def update_step(rollouts, ref_logprobs=None):
+        given = {} if ref_logprobs is None else {"ref_logprobs": ref_logprobs}
+        rollouts = {k: v.cpu() for k, v in {**rollouts, **given}.items()}
+        update.train_policy(policy, optimizer, rollouts, torch.linspace(-1, 1, N), uargs,
+                            ref_model=ref if ref_logprobs is None else None)
 
     return sampling, reference, update_step
 
@@ -293,8 +301,8 @@ def compute_floor(config, B, P, G, T, device):
 
 def sampler_rates(policy, ref, prompt_ids, prompt_mask, pad_id, reps, device):
     """Tokens per second of the project's sampler (shared, unshared) and of generate, same batch; and
-    the median seconds of the shared sampler and of the shared reference pass on its completions, the
-    two halves of train.py's sample stage, which times them together."""
+    the median seconds of the shared sampler and of the shared reference pass on its completions (which
+    train.py's update runs beside its forward, and times with it)."""
     seconds = {"shared": [], "unshared": [], "generate": [], "reference": []}
     for _ in range(reps):
         for name in ("shared", "unshared", "generate"):
@@ -339,11 +347,11 @@ def wait_with_peak_rss(proc):
     return proc.returncode, peak_kb / 1024
 
 
-def run_train(argv, label="train.py"):
-    """`python train.py ARGV` in a child process as a user runs it, its stdout discarded; returns its
-    peak RSS in MB (wait_with_peak_rss). Exits with the child's stderr if it fails."""
+def run_train(argv, label="train.py", root=ROOT):
+    """`python train.py ARGV` of the checkout at `root` in a child process as a user runs it, its stdout
+    discarded; returns its peak RSS in MB (wait_with_peak_rss). Exits with the child's stderr if it fails."""
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *argv], cwd=root,
                                 stdout=subprocess.DEVNULL, stderr=err, text=True)
         code, peak_rss_mb = wait_with_peak_rss(proc)
         err.seek(0)
@@ -352,18 +360,19 @@ def run_train(argv, label="train.py"):
     return peak_rss_mb
 
 
-def run_project(args, model, run_dir, share):
-    """train.py in a child process; returns its iteration time, per-stage medians and peak RSS."""
+def run_project(args, model, run_dir, share, root=ROOT):
+    """train.py (of the checkout at `root`) in a child process; returns its iteration time, per-stage
+    medians and peak RSS."""
     total = args.warmup + args.save_every + 1          # one save cycle, then the last iteration (which always saves)
     peak_rss_mb = run_train(["--model", model, "--run-dir", run_dir, "--iterations", str(total), "--num-prompts",
                              str(B), "--group-size", str(G), "--max-new-tokens", str(T), "--temperature", str(TAU),
                              "--beta", str(BETA), "--epochs", "1", "--eval-every", "0", "--ignore-eos",
                              "--save-every", str(args.save_every), "--device", args.device,
-                             *([] if share else ["--no-prefix-sharing"])])
+                             *([] if share else ["--no-prefix-sharing"])], root=root)
     metrics = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
     cycle = metrics[args.warmup:args.warmup + args.save_every]
     assert sum(m["iteration"] + 1 == args.save_every for m in cycle) == 1
-    keys = {"sample (with the reference pass)": "perf/sample_s", "score": "perf/score_s", "update": "perf/update_s",
+    keys = {"sample": "perf/sample_s", "score": "perf/score_s", "update (with the reference pass)": "perf/update_s",
             "write stage files": "perf/io_s"}
     stages = {name: statistics.median(m[key] for m in cycle) for name, key in keys.items()}
     stages["other (advantage, metrics)"] = statistics.median(
@@ -392,6 +401,7 @@ def table_1(args, model_dir, device):
     with tempfile.TemporaryDirectory(dir=ROOT) as scratch:
         project = {name: run_project(args, model_dir, os.path.join(scratch, name), share)
                    for name, share in (("shared", True), ("unshared", False))}
+        baseline = args.baseline and against_baseline(args, model_dir, scratch)
     runs += floor_runs(args.floor_reps - args.floor_reps // 2)
     floor = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     rates, in_process = sampler_rates(policy, ref, prompt_ids, prompt_mask, tokenizer.pad_token_id,
@@ -402,7 +412,7 @@ def table_1(args, model_dir, device):
           f"prompts of {prompt_ids.shape[1]} tokens (padded), {T} new tokens; a save every {args.save_every} "
           f"iterations after {args.warmup} warm-up; floor median of {args.floor_reps}")
     print(f"{'stage':34s} {'shared s':>9s} {'unshared s':>10s} {'floor s':>9s}")
-    floor_of = {"sample (with the reference pass)": floor["sample"] + floor["reference"], "update": floor["update"]}
+    floor_of = {"sample": floor["sample"], "update (with the reference pass)": floor["update"] + floor["reference"]}
     for name in project["shared"]["stages_s"]:
         shown = f"{floor_of[name]:9.3f}" if name in floor_of else ""
         print(f"{name:34s} {project['shared']['stages_s'][name]:9.3f} {project['unshared']['stages_s'][name]:10.3f} "
@@ -415,14 +425,41 @@ def table_1(args, model_dir, device):
           f"{rates['shared']:.0f}, unshared {rates['unshared']:.0f}, generate {rates['generate']:.0f}; peak RSS "
           f"{project['shared']['peak_rss_mb']:.0f} MB shared, {project['unshared']['peak_rss_mb']:.0f} MB unshared")
     print_compute_floor(project["shared"], in_process, floor_c, floor)
-    return {"project": project, "floor_s": floor, "ratio_to_floor": ratios, "sampler_tokens_per_s": rates,
+    if baseline:
+        print_baseline(baseline, args.baseline)
+    return {"project": project, "baseline": baseline, "floor_s": floor, "ratio_to_floor": ratios, "sampler_tokens_per_s": rates,
             "prompt_tokens": prompt_ids.shape[1], "in_process_s": in_process, "compute_floor": floor_c}
 
 
+def against_baseline(args, model_dir, scratch):
+    """The shared path of this checkout's train.py and of --baseline's, alternating (baseline, this,
+    baseline, this), so that a machine whose speed drifts over the minutes weighs on both alike:
+    {"baseline": [run, run], "this": [run, run]} of run_project's results."""
+    runs = {"baseline": [], "this": []}
+    for rep in range(2):
+        for name, root in (("baseline", os.path.abspath(args.baseline)), ("this", ROOT)):
+            runs[name].append(run_project(args, model_dir, os.path.join(scratch, f"{name}_{rep}"), True, root))
+    return runs
+
+
+def print_baseline(runs, baseline_dir):
+    """Each alternating run's iteration seconds, their means, and this checkout's over the baseline's."""
+    commit = subprocess.run(["git", "-C", baseline_dir, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "?"
+    mean = {name: statistics.mean(r["iteration_s"] for r in rs) for name, rs in runs.items()}
+    print(f"\nAgainst the baseline {baseline_dir} (commit {commit}), the shared path, runs alternating:")
+    for name, rs in runs.items():
+        stages = ", ".join(f"{stage} {statistics.mean(r['stages_s'][stage] for r in rs):.3f}"
+                           for stage in rs[0]["stages_s"] if not stage.startswith(("score", "write", "other")))
+        each = ", ".join(f"{r['iteration_s']:.3f}" for r in rs)
+        print(f"  {name:8s} iteration s {each} (mean {mean[name]:.3f}; {stages})")
+    print(f"  this / baseline: {mean['this'] / mean['baseline']:.3f}")
+
+
 def print_compute_floor(project, in_process, floor_c, naive):
-    """The shared iteration's stages against the compute floor and the naive floor. train.py times
-    sampling and the reference pass together; the two rows above that stage are the same functions
-    timed apart in this process."""
+    """The shared iteration's stages against the compute floor and the naive floor. train.py times the
+    reference pass with the update, which runs it beside its forward; the rows "sampling" and
+    "reference pass" are the sampler and the reference pass timed apart in this process."""
     rate, stages = floor_c["gflop_per_s"], floor_c["stages"]
     gflop = sum(s["gflop"] for s in stages.values())
     print(f"\nThe shared iteration against its compute floor: {gflop:,.0f} GFLOP of matmuls at the best rate "
@@ -438,28 +475,27 @@ def print_compute_floor(project, in_process, floor_c, naive):
 
     row("  sampling (in this process)", in_process["sampling"], ["sampling"], naive["sample"])
     row("  reference pass (in this process)", in_process["reference"], ["reference"], naive["reference"])
-    of = {"sample (with the reference pass)": (["sampling", "reference"], naive["sample"] + naive["reference"]),
-          "update": (["update"], naive["update"])}
+    of = {"sample": (["sampling"], naive["sample"]),
+          "update (with the reference pass)": (["reference", "update"], naive["update"] + naive["reference"])}
     for name, seconds in project["stages_s"].items():
         row(name, seconds, *of.get(name, ([], None)))
     row("iteration", project["iteration_s"], list(stages), naive["total"])
 
 
 def cell(model_dir, device, length, group_size, share):
-    """One cell of table 2 in this (child) process: sample with the reference pass, one update step."""
+    """One cell of table 2 in this (child) process: sample, then one update step (with the reference pass)."""
     tokenizer = modeling.load_tokenizer(model_dir)
     policy, ref = modeling.load_model(model_dir, device), modeling.load_model(model_dir, device)
     prompt_ids, prompt_mask = prompt_batch(tokenizer, device, 1, group_size, length)
-    sampling, reference, update_step = iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
-                                                        group_size, share)
+    sampling, _, update_step = iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
+                                                group_size, share)
     times = {}
     t = time.perf_counter()
     rollouts = sampling(0)
-    ref_logprobs = reference(rollouts)
     sync(device)
     times["sample"] = time.perf_counter() - t
     t = time.perf_counter()
-    update_step(rollouts, ref_logprobs)
+    update_step(rollouts)
     sync(device)
     times["update"] = time.perf_counter() - t
     print(json.dumps({"prompt_tokens": prompt_ids.shape[1], **times}))

@@ -260,7 +260,9 @@ CLAIMS = {
         "or 4 passes, at lr 1e-5 or 5e-5; 10 iterations (clip_frac is read every step, and the "
         "held-out accuracy is not the point). Metric: losses/clip_frac, the share of completion tokens "
         "whose objective was clipped, averaged over the run. Predicted: below 2% in normal training "
-        "(μ = 1, lr 1e-5); higher with μ = 4; higher at the high lr.",
+        "(μ = 1, lr 1e-5); higher with μ = 4; higher at the high lr. Beside it, not a test: "
+        "losses/clip_frac_signal, the same share over the tokens that can clip (rows with a nonzero "
+        "advantage, in each update's steps after its first, whose ratio is 1).",
         {"mu1_lr1e-5": ["--minibatch-size", "8"], "mu4_lr1e-5": ["--minibatch-size", "8", "--epochs", "4"],
          f"mu1_lr{LR_HIGH}": ["--minibatch-size", "8", "--lr", LR_HIGH],
          f"mu4_lr{LR_HIGH}": ["--minibatch-size", "8", "--epochs", "4", "--lr", LR_HIGH]},
@@ -269,8 +271,8 @@ CLAIMS = {
          Test("μ = 4 clips more than μ = 1", "mean(losses/clip_frac)", {"mu4_lr1e-5": 1, "mu1_lr1e-5": -1}, ">"),
          Test("a high lr clips more (μ = 4)", "mean(losses/clip_frac)",
               {f"mu4_lr{LR_HIGH}": 1, "mu4_lr1e-5": -1}, ">")],
-        ["mean(losses/clip_frac)", "mean(losses/ratio_max)", "mean(losses/kl)"],
-        ["losses/clip_frac", "losses/ratio_max"], iterations=10),
+        ["mean(losses/clip_frac)", "mean(losses/clip_frac_signal)", "mean(losses/ratio_max)", "mean(losses/kl)"],
+        ["losses/clip_frac", "losses/clip_frac_signal", "losses/ratio_max"], iterations=10),
     "c9": Claim(
         "All-equal groups carry no signal; a larger G, or dynamic sampling, is the remedy.",
         "The default job (exact-answer reward: binary, so many groups are all wrong) with G ∈ {4, 8, 16} "

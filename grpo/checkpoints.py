@@ -19,11 +19,11 @@ import shutil
 import threading
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from grpo import distributed, files, lora
+from grpo import distributed, files, lora, outputs
 from grpo.cli import StageError
 from grpo.modeling import quiet_transformers
 
@@ -38,14 +38,15 @@ def checkpoint_tensors(model):
     return {name: distributed.full_tensor(t) for name, t in model.state_dict().items() if name not in shared}
 
 
-def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
+def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None, command=None):
     """Write a Hugging Face checkpoint to `out_dir` (replacing it) through a temporary folder.
 
     `weights` (default: the model's own tensors, see checkpoint_tensors) become model.safetensors;
     a LoRA policy is written as peft writes it, its adapters alone (adapter_config.json naming the
     base, adapter_model.safetensors). `extra_files` maps file names to callables that write them into
-    the temporary folder. A full disk or a read-only folder is a one-line error and leaves `out_dir`
-    as it was.
+    the temporary folder. With `command`, the folder carries that command's marker (grpo/outputs.py),
+    so that the command may replace it again. A full disk or a read-only folder is a one-line error
+    and leaves `out_dir` as it was.
     """
     quiet_transformers()
     out_dir = out_dir.rstrip("/")
@@ -69,29 +70,20 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None):
         tokenizer.save_pretrained(tmp)
         for name, write in (extra_files or {}).items():
             write(os.path.join(tmp, name))
+        if command:
+            outputs.mark_dir(tmp, command, os.listdir(tmp))
         for name in os.listdir(tmp):
             if os.path.isdir(os.path.join(tmp, name)):          # a checkpoint inside, synced by its writer
                 continue
             with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())
         files.replace_dir(tmp, out_dir)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         kept = "it still holds the last complete one" if os.path.isdir(out_dir) else "nothing was written"
-        raise StageError(f"{out_dir}: cannot write the checkpoint ({e.strerror or e}); {kept}") from None
+        raise StageError(f"{out_dir}: cannot write the checkpoint ({getattr(e, 'strerror', None) or e}); "
+                         f"{kept}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def check_out_dir(path):
-    """A checkpoint folder is replaced as a whole: refuse one that holds anything but a checkpoint."""
-    files.recover_dir(path)
-    if os.path.isfile(path):
-        raise StageError(f"--out {path}: is a file, expected a folder for the checkpoint")
-    holds = os.path.isdir(path) and os.listdir(path)
-    if holds and not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-        shown = ", ".join(sorted(os.listdir(path))[:3])
-        raise StageError(f"--out {path}: holds files that are not a checkpoint ({shown}, ...); the "
-                         f"checkpoint replaces the whole folder, so choose a new or empty one")
 
 
 # ----------------------------------------------------------------------------------------
@@ -173,7 +165,7 @@ def checkpoint_writer(model, tokenizer, optimizer, metrics, args, extra_files=No
     model = distributed.unwrap(model)
 
     def write(out_dir):
-        save_checkpoint(model, tokenizer, out_dir, weights=weights, extra_files={
+        save_checkpoint(model, tokenizer, out_dir, weights=weights, command="update.py", extra_files={
             "optimizer.safetensors": lambda path: files.save_tensors(path, state, "optimizer/1", vars(args),
                                                                      param_groups=hyperparameters),
             "metrics.json": lambda path: files.write_json(path, metrics),
@@ -322,10 +314,10 @@ def log_iteration(writer, bar, it_dir, i, metrics, samples, group_size):
     log_scalars(writer, metrics, i)
     writer.add_text("samples", samples_text(samples, group_size), i)
     reward, kl = metrics["charts/reward_mean"], metrics["losses/kl"] or 0.0
-    bar.set_postfix(reward=f"{reward:.3f}", kl=f"{kl:.4f}")
+    bar.set_postfix(reward=f"{reward:.3f}", kl=f"{kl:.3g}")          # a LoRA run's KL is ~1e-5
     held_out = f"  held-out {metrics['eval/reward_mean'] or 0:.3f}" if "eval/reward_mean" in metrics else ""
     tqdm.write(f"iter {i:4d}  reward {reward:.3f}  frac_zero_std {metrics['charts/frac_zero_std']:.2f}  "
-               f"kl {kl:.4f}  len {metrics['charts/completion_len']:.1f}  "
+               f"kl {kl:.3g}  len {metrics['charts/completion_len']:.1f}  "
                f"{metrics['perf/iteration_s']:.1f}s{held_out}")
 
 

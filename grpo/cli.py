@@ -24,11 +24,17 @@ def run_cli(main):
         sys.stdout.reconfigure(line_buffering=True)   # a run's log file shows each line as it happens
     try:
         main()
-    except StageError as e:
+    except (StageError, OSError) as e:    # OSError: a read-only folder, a full disk, a file gone meanwhile
+        if isinstance(e, OSError):
+            e = f"{e.filename}: {e.strerror or e}" if e.filename else (e.strerror or str(e))
         rank, world = distributed.rank_and_world()
         where = "" if world == 1 else f" (rank {rank} of {world})"
         print(f"{prog}: error{where}: {e}", file=sys.stderr)
         sys.exit(2)      # under torchrun, the launcher then stops the other ranks
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; every file already written is complete (none is left half-written)",
+              file=sys.stderr)
+        sys.exit(130)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()      # leave together: gloo can abort a rank whose peer is still busy
         torch.distributed.destroy_process_group()
@@ -65,9 +71,23 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_runtime_flags(parser):
     """--device and --trust-remote-code, which every stage that loads a model takes."""
-    parser.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
+    parser.add_argument("--device", default="auto", type=device_name,
+                        help="cuda, cuda:N, cpu or auto (default: cuda when available)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let model folders run their own Python code (default: never)")
+
+
+def device_name(name):
+    """--device's value, checked: auto, or a device torch knows that this machine has."""
+    if name == "auto":
+        return name
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name}: there is no CUDA device here; use cpu or auto")
+    return name
 
 
 def warn(message):

@@ -97,7 +97,8 @@ def iteration_metrics(rollouts, rewards, components, skipped, completions, group
 
 # update.py's metrics.json keys that train.py logs outside losses/: the on-policy check (diag/) and how
 # well PPO's critic explains the returns (charts/).
-ON_POLICY_KEYS = ("logprob_diff_max", "logprob_diff_mean", "outside_clip_on_policy", "skipped_steps")
+ON_POLICY_KEYS = ("logprob_diff_max", "logprob_diff_mean", "ref_logprob_diff_max", "ref_logprob_diff_mean",
+                  "outside_clip_on_policy", "skipped_steps")
 CHART_KEYS = ("explained_variance",)
 
 
@@ -108,15 +109,19 @@ def update_metrics(losses):
             for k, v in losses.items()}
 
 
-def spread_report(spread, group_size):
-    """A few lines for the terminal: the distribution of within-group std, and advice when it is flat."""
+def spread_report(spread, group_size, estimator="grpo"):
+    """A few lines for the terminal: the distribution of within-group std, and advice when it is flat.
+    The batch estimator compares each completion with the whole batch: a flat group is no loss there."""
+    batch = estimator == "batch"
+    meaning = ("(the batch estimator compares across the batch, so they carry signal all the same)" if batch
+               else "(advantage 0, no signal)")
     lines = [f"reward spread over {spread['groups']} groups of G={group_size}: within-group std "
              f"min {spread['std_min']:.3f} / q25 {spread['std_q25']:.3f} / "
              f"median {spread['std_median']:.3f} / q75 {spread['std_q75']:.3f} / "
              f"max {spread['std_max']:.3f}; "
              f"{spread['frac_zero_std']:.0%} of groups have all-equal rewards or fewer than 2 rows with a "
-             f"reward (advantage 0, no signal)"]
-    if spread["frac_zero_std"] > NO_SIGNAL_WARN:
+             f"reward {meaning}"]
+    if spread["frac_zero_std"] > NO_SIGNAL_WARN and not batch:
         lines.append("WARNING: most groups carry no signal. GRPO learns only from groups whose rewards "
                      "differ: raise G (--group-size), make the task easier or the reward denser (partial "
                      "credit, a format reward), or check that the reward function sees what you think "

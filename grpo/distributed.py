@@ -81,10 +81,21 @@ def micro_batches(rows, micro_batch_size):
     one row at weight 0, as does a rank with no rows at all.
     """
     rank, world = rank_and_world()
-    local = rows[shard_slice(len(rows), rank, world)]                          # [M / world]
-    passes = [(local[s], float(world)) for s in row_slices(len(local), micro_batch_size)]
+    passes = [(idx, float(world)) for idx in _rank_passes(rows, micro_batch_size, rank, world)]
     busiest = len(row_slices(max(-(-len(rows) // world), 1), micro_batch_size))
     return passes + [(rows[:1], 0.0)] * (busiest - len(passes))
+
+
+def every_rank_passes(rows, micro_batch_size):
+    """The row indices of every rank's passes over `rows` (micro_batches' real ones), rank after rank:
+    what a rank computes to get, for all rows, the numbers each rank's own passes will compute."""
+    world = rank_and_world()[1]
+    return [idx for rank in range(world) for idx in _rank_passes(rows, micro_batch_size, rank, world)]
+
+
+def _rank_passes(rows, micro_batch_size, rank, world):
+    local = rows[shard_slice(len(rows), rank, world)]                          # [M / world]
+    return [local[s] for s in row_slices(len(local), micro_batch_size)]
 
 
 # ----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ class Progress(StoppingCriteria):
 @torch.inference_mode()
 def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch_size=0, desc="eval"):
     """Greedy completions of the prompt records and their rewards: (texts, completions, rewards [n],
-    skipped [n], lengths [n]). transformers' generate does the decoding, `micro_batch_size` rows at a
+    skipped [n], lengths [n], components: each reward function's [n], NaN where it does not apply). transformers' generate does the decoding, `micro_batch_size` rows at a
     time (0: all), under a progress bar: no log-probs are needed here, and the explicit config keeps a
     model's own generation settings (sampling, penalties) out of it. `score(rows, rollouts)` returns
     (rewards [n], components, skipped [n]) as score.score does for training, with its weights and
@@ -55,8 +55,8 @@ def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch
     completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(records))]
     rows = [modeling.sample_row(record, b, texts[b], completions[b]) for b, record in enumerate(records)]
     rollouts = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
-    rewards, _, skipped = score(rows, rollouts)
-    return texts, completions, rewards, skipped, mask.sum(-1).float()
+    rewards, components, skipped = score(rows, rollouts)
+    return texts, completions, rewards, skipped, mask.sum(-1).float(), components
 
 
 class HeldOut:
@@ -82,8 +82,8 @@ class HeldOut:
             ref_model = ref_model or modeling.load_model(ref_dir, device, self.trust_remote_code)
             self.reference = greedy_answers(ref_model, self.tokenizer, self.records, self.score,
                                             self.max_new_tokens, self.micro_batch_size, desc="eval π_ref")
-        texts, completions, rewards, skipped, lengths = answers
-        _, ref_completions, ref_rewards, ref_skipped, ref_lengths = self.reference
+        texts, completions, rewards, skipped, lengths, components = answers
+        _, ref_completions, ref_rewards, ref_skipped, ref_lengths, _ = self.reference
         rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b],
                  "reward": None if skipped[b] else rewards[b].item(), "ref_completion": ref_completions[b],
                  "ref_reward": None if ref_skipped[b] else ref_rewards[b].item()}
@@ -98,4 +98,6 @@ class HeldOut:
                 "eval/completion_len": lengths.mean().item(),
                 "eval/ref_completion_len": ref_lengths.mean().item(),
                 "eval/same_as_ref": sum(c == r for c, r in zip(completions, ref_completions)) / len(rows),
-                "eval/num_prompts": len(rows)}
+                "eval/num_prompts": len(rows),
+                **{f"eval/reward/{name}": None if v.isnan().all() else v.nanmean().item()     # each function's
+                   for name, v in components.items()}}

@@ -11,7 +11,7 @@ import shutil
 from contextlib import contextmanager
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from grpo.cli import StageError
@@ -189,12 +189,20 @@ def atomic_path(path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
-    except OSError as e:
-        raise StageError(f"{path}: cannot write ({e.strerror or e}); "
+    except (OSError, SafetensorError) as e:                    # read-only, full disk (safetensors' own)
+        raise StageError(f"{path}: cannot write ({getattr(e, 'strerror', None) or e}); "
                          f"the previous file, if any, is unchanged") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def make_dir(path):
+    """Create folder `path` (and its parents) if need be; a read-only or full place is a one-line error."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise StageError(f"{path}: cannot create the folder ({e.strerror or e})") from None
 
 
 def fsync_dir(path):

@@ -19,12 +19,12 @@ import sys
 
 import torch
 
-from grpo import files, modeling
+from grpo import files, modeling, outputs
 from grpo.cli import StageError, run_cli
 from grpo.settings import above, at_least, between
 
 # What the LoRA flags may be, in the RULES of every stage that takes them.
-RULES = {"lora_r": at_least(0), "lora_alpha": above(0), "lora_dropout": between(0, 1)}
+RULES = {"lora_r": at_least(0), "lora_alpha": above(0), "lora_dropout": between(0, 1, hi_open=True)}
 
 
 def add_flags(parser):
@@ -59,21 +59,44 @@ def load_policy(path, device, args):
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if is_adapter(path):
-        saved_r = files.read_json(os.path.join(modeling.model_dir(path), "adapter_config.json"))["r"]
-        if getattr(args, "lora_r", 0) not in (0, saved_r):
-            raise StageError(f"{path}: holds LoRA adapters of rank {saved_r}, not --lora-r {args.lora_r}")
+        config = LoraConfig.from_pretrained(modeling.model_dir(path))
+        if getattr(args, "lora_r", 0) not in (0, config.r):
+            raise StageError(f"{path}: holds LoRA adapters of rank {config.r}, not --lora-r {args.lora_r}")
+        alpha = getattr(args, "lora_alpha", None)
+        if alpha is not None and alpha != config.lora_alpha:
+            raise StageError(f"{path}: holds LoRA adapters with α {config.lora_alpha:g}, not --lora-alpha {alpha:g}")
+        config.lora_dropout = getattr(args, "lora_dropout", config.lora_dropout)   # the flag given, not the saved
         base = modeling.load_model(base_of(path), device, args.trust_remote_code)
-        model = PeftModel.from_pretrained(base, modeling.model_dir(path), is_trainable=True)
+        model = PeftModel.from_pretrained(base, modeling.model_dir(path), config=config, is_trainable=True)
         return model.to(device).eval()
     model = modeling.load_model(path, device, args.trust_remote_code)
     if not getattr(args, "lora_r", 0):
+        given = [f for f, v in (("--lora-alpha", getattr(args, "lora_alpha", None)),
+                                ("--lora-dropout", getattr(args, "lora_dropout", 0.0) or None),
+                                ("--lora-target-modules", getattr(args, "lora_target_modules", None))) if v]
+        if given:
+            raise StageError(f"{given[0]} without --lora-r: {path} is a full model and no adapters are made; "
+                             f"pass --lora-r R to train adapters of rank R")
         return model
+    check_targets(model, args.lora_target_modules, path)
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, task_type="CAUSAL_LM",
                         lora_dropout=args.lora_dropout, target_modules=args.lora_target_modules or "all-linear")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)                               # the same adapters wherever they are added
         model = get_peft_model(model, config)
     return model.to(device).eval()
+
+
+def check_targets(model, targets, path):
+    """Every --lora-target-modules name must name modules of the model, as peft matches them (the
+    module's name, or its last dotted parts): a typo would silently leave those layers without adapters."""
+    names = [name for name, _ in model.named_modules()]
+    for target in targets or []:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                              if isinstance(m, torch.nn.Linear)})
+            raise StageError(f"--lora-target-modules {target}: {path} has no module of that name (its linear "
+                             f"layers: {', '.join(linears)})")
 
 
 def is_lora(model):
@@ -111,17 +134,28 @@ def reference(policy, ref_path):
     return None
 
 
+def load_reference(ref_path, policy, device, trust_remote_code=False):
+    """π_ref of `ref_path`: the policy's base with its adapters disabled when the policy is a LoRA
+    policy of that base (no second copy), else the model of that folder, loaded frozen."""
+    return reference(policy, ref_path) or modeling.load_model(ref_path, device, trust_remote_code)
+
+
 @contextlib.contextmanager
-def dropout(model, on):
-    """The adapters' dropout layers in training mode within the block (the model stays in eval mode)."""
+def dropout(model, on, seed=0):
+    """The adapters' dropout layers in training mode within the block (the model stays in eval mode),
+    their masks drawn from torch's generator (and the GPU's) seeded with `seed` for the block and
+    restored after: an update draws the same masks wherever the run stands, so a resume is exact."""
     layers = [m for name, m in model.named_modules() if on and ".lora_dropout." in name]
-    for layer in layers:
-        layer.train()
-    try:
-        yield
-    finally:
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
         for layer in layers:
-            layer.eval()
+            layer.train()
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.eval()
 
 
 def merge(adapter, out, trust_remote_code=False):
@@ -139,7 +173,8 @@ def merge(adapter, out, trust_remote_code=False):
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         base.config.tie_word_embeddings = False
     merged = model.merge_and_unload()
-    checkpoints.save_checkpoint(merged, modeling.load_tokenizer(adapter, trust_remote_code), out)
+    checkpoints.save_checkpoint(merged, modeling.load_tokenizer(adapter, trust_remote_code), out,
+                                command="grpo.lora --merge")
 
 
 def main(argv=None):
@@ -149,6 +184,7 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true")
     args = p.parse_args(argv)
     checkpoints_out = os.path.abspath(args.out)
+    outputs.check_dir(checkpoints_out, "grpo.lora --merge")
     merge(args.merge, checkpoints_out, args.trust_remote_code)
     print(f"merged {args.merge} into {base_of(args.merge)}'s weights; wrote {checkpoints_out}", file=sys.stderr)
 

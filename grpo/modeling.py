@@ -207,6 +207,16 @@ def check_prompt_record(record, where):
                          f"objects")
 
 
+def prompt_room(model, max_new_tokens):
+    """The most tokens a prompt may have so that it and max_new_tokens fit the model's context (None for
+    a model that states no context); a max_new_tokens that leaves no room is the user's error."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and max_new_tokens >= context:
+        raise StageError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context "
+                         f"of {context} tokens")
+    return context - max_new_tokens if context else None
+
+
 def render_prompts(records, tokenizer, path, max_len, lines=None):
     """The text the model sees and its token ids, one per prompt record (from `path`, where record i is
     on line lines[i], or i + 1 without `lines`).
@@ -220,6 +230,10 @@ def render_prompts(records, tokenizer, path, max_len, lines=None):
     if replaced:
         warn_once(f"{path}: the records' {', '.join(map(repr, replaced))} do not travel to samples.jsonl, "
                   f"whose columns of that name the stages write (reward functions never see them)")
+    both = [lines[i] if lines else i + 1 for i, r in enumerate(records) if "prompt" in r and "messages" in r]
+    if both:
+        warn_once(f"{path}: the records of lines {', '.join(map(str, both[:5]))}{', ...' if len(both) > 5 else ''} "
+                  f"have both 'prompt' and 'messages'; the model sees 'messages'")
     for i, record in enumerate(records):
         where = f"{path}, line {lines[i] if lines else i + 1}"
         check_prompt_record(record, where)
@@ -437,11 +451,12 @@ def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completio
 
 
 @torch.no_grad()
-def rollout_logprobs(model, rollouts, temperature, micro_batch_size, share_prefix=False):
+def rollout_logprobs(model, rollouts, temperature, micro_batch_size, share_prefix=False, passes=None):
     """log-probs of every completion token of a rollouts dict under `model`, without gradients, in
-    passes of at most `micro_batch_size` rows: sample.py's log π_ref, update.py's recomputed log π_old.
-    [N, T] on the model's device."""
-    return _in_passes(completion_logprobs, model, rollouts, micro_batch_size, temperature,
+    passes of at most `micro_batch_size` rows, or in `passes` (a list of row indices: the shapes
+    another computation will use, for numbers equal to its to the bit): sample.py's log π_ref,
+    update.py's recomputed log π_old. [N, T] on the model's device."""
+    return _in_passes(completion_logprobs, model, rollouts, micro_batch_size, passes, temperature,
                       share_prefix=share_prefix)
 
 
@@ -449,14 +464,16 @@ def rollout_logprobs(model, rollouts, temperature, micro_batch_size, share_prefi
 def rollout_values(critic, rollouts, micro_batch_size, share_prefix=False):
     """The critic's V_t for every completion token of a rollouts dict (sample.py --critic), as
     rollout_logprobs. [N, T] on the critic's device."""
-    return _in_passes(completion_values, critic, rollouts, micro_batch_size, share_prefix=share_prefix)
+    return _in_passes(completion_values, critic, rollouts, micro_batch_size, None, share_prefix=share_prefix)
 
 
-def _in_passes(per_token, model, rollouts, micro_batch_size, *args, **kwargs):
+def _in_passes(per_token, model, rollouts, micro_batch_size, passes, *args, **kwargs):
     device = next(model.parameters()).device
     keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    return torch.cat([per_token(model, *(rollouts[k][rows].to(device) for k in keys), *args, **kwargs)
-                      for rows in row_slices(len(rollouts["prompt_ids"]), micro_batch_size)])
+    out = torch.zeros(rollouts["completion_ids"].shape, device=device)                       # [N, T]
+    for rows in passes or row_slices(len(rollouts["prompt_ids"]), micro_batch_size):
+        out[rows] = per_token(model, *(rollouts[k][rows].to(device) for k in keys), *args, **kwargs)
+    return out
 
 
 def _keep_last(model, n):

@@ -7,12 +7,13 @@ given to the update and lost on the way.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from grpo import checkpoints, distributed
+from grpo import checkpoints, distributed, modeling
 from grpo.cli import StageError, warn
 
 
@@ -35,6 +36,13 @@ def adamw(model, lr, weight_decay=0.0, state_file=None):
     if state_file is not None:
         checkpoints.load_optimizer_state(model, optimizer, state_file)
     return optimizer
+
+
+def optimizer_state(model, fresh=False):
+    """The model folder's optimizer.safetensors, to continue AdamW from; None without one or when
+    `fresh` (--fresh-optimizer)."""
+    path = os.path.join(modeling.model_dir(model), "optimizer.safetensors")
+    return path if os.path.isfile(path) and not fresh else None
 
 
 def scheduled_lr(args, step, lr=None):

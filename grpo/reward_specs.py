@@ -68,6 +68,9 @@ def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
         return spec, BUILT_IN[spec]
     if ":" in spec:
         return load_user_function(spec)
+    if spec.endswith(".py") or os.path.isfile(spec):
+        raise StageError(f"--reward {spec!r}: a Python file's reward is named with its function, "
+                         f"{spec}:FUNCTION")
     if os.path.isdir(spec) or modeling.HUB_ID.fullmatch(spec):
         name = os.path.basename(os.path.normpath(spec.partition("@")[0]))
         return name, reward_model_function(spec, device, micro_batch_size, trust_remote_code)

@@ -11,20 +11,28 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo import builders, distributed, files, lora, modeling, optim, reward_specs, tasks
+from grpo import builders, distributed, files, lora, modeling, optim, outputs, reward_specs, tasks
 from grpo.cli import ArgumentParser, StageError
 from grpo.settings import at_least
 
 
 # What each of the run's own settings may be (the stages' are checked by their own RULES).
-RULES = {"iterations": at_least(1), "eval_every": at_least(0), "eval_prompts": at_least(1),
+RULES = {"iterations": at_least(1), "eval_every": at_least(0), "eval_prompts": at_least(0),
          "save_every": at_least(0), "max_sample_rounds": at_least(1)}
+
+
+# The estimators that compare a completion with the others of its group (advantage.py refuses G = 1
+# for them): docs/forking.md.
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
 
 
 def check_combinations(cfg):
     """Settings of different stages that must agree. PPO's advantages come from its critic (gae), GRPO's
     from the group (the estimator follows --algo), and a group needs two completions to compare."""
     ppo = cfg.algo == "ppo"
+    if cfg.eval_every and not cfg.eval_prompts:
+        raise StageError(f"--eval-prompts 0 with --eval-every {cfg.eval_every}: there would be nothing to "
+                         f"evaluate; pass --eval-every 0 for no held-out evaluation")
     if cfg.estimator is None:
         cfg.estimator = "gae" if ppo else "grpo"
     if (cfg.estimator == "gae") != ppo:
@@ -33,7 +41,7 @@ def check_combinations(cfg):
     if ppo and cfg.dynamic_sampling:
         raise StageError("--dynamic-sampling drops groups with equal rewards, which only GRPO needs; "
                          "use it with --algo grpo")
-    needs_group = {"--estimator " + cfg.estimator: cfg.estimator in ("grpo", "dr_grpo", "rloo"),
+    needs_group = {"--estimator " + cfg.estimator: cfg.estimator in GROUP_RELATIVE,
                    "--dynamic-sampling": cfg.dynamic_sampling, "--length-strata": cfg.length_strata > 1}
     needing = [flag for flag, needs in needs_group.items() if needs]
     if cfg.group_size < 2 and needing:
@@ -43,6 +51,35 @@ def check_combinations(cfg):
     if S > 1 and (G % S or G // S < 2):
         raise StageError(f"--length-strata {S}: the G = {G} completions of a group must split into strata of "
                          f"equal size of at least 2 (S divides G, S ≤ G/2)")
+
+
+PATHS = ("model", "prompts", "eval_prompts_file", "critic_init")      # settings that name files or folders
+
+
+def absolute_paths(settings):
+    """A run's settings with the files and folders it names (PATHS, and --reward's files and reward-model
+    folders) made absolute where they exist, so that config.json means the same from any folder and
+    --resume works from anywhere."""
+    def absolute(value):
+        path, colon, function = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
+        return os.path.abspath(path) + colon + function if path and os.path.exists(path) else value
+    out = dict(settings)
+    for key in PATHS:
+        if out.get(key):
+            out[key] = absolute(out[key])
+    if out.get("reward"):
+        out["reward"] = [absolute(spec) for spec in out["reward"]]
+    return out
+
+
+def is_run(run_dir):
+    """Whether run_dir holds a train.py run: its marker says so, or (a run of a version before markers)
+    its config.json is a run's."""
+    mark = outputs.read_marker(run_dir)
+    if mark is not None:
+        return mark.get("command") == "train.py"
+    path = os.path.join(run_dir, "config.json")
+    return os.path.isfile(path) and isinstance(files.read_json(path), dict) and "config" in files.read_json(path)
 
 
 def parser(description, configs):
@@ -116,7 +153,8 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
     for rows, source, _ in records:
         reward_specs.check_fields(reward_fns, rows, source)
     if distributed.is_main():
-        os.makedirs(run_dir, exist_ok=True)
+        files.make_dir(run_dir)
+        outputs.mark_dir(run_dir, "train.py")                    # the whole folder is the run's
         held_out = {"held_out": {"prompts": cfg.prompts, "lines": held_out_lines}} if held_out_lines else {}
         files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg), **held_out})
     base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
@@ -127,12 +165,11 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
         sampler = modeling.load_model(path, device, cfg.trust_remote_code)
     ref = None
     if cfg.beta != 0 or cfg.kl_in_reward != 0:                   # the k1 of --kl-in-reward (PPO)
-        ref = lora.reference(policy, base) or modeling.load_model(base, device, cfg.trust_remote_code)
+        ref = lora.load_reference(base, policy, device, cfg.trust_remote_code)
     models = Models(base, modeling.load_tokenizer(path, cfg.trust_remote_code),
                     distributed.distribute(policy, cfg.fsdp), sampler, ref)
-    context = getattr(policy.config, "max_position_embeddings", None)
+    max_len = modeling.prompt_room(policy, cfg.max_new_tokens)
     for rows, source, lines in records:                         # every prompt renders and fits
-        max_len = context - cfg.max_new_tokens if context else None
         modeling.render_prompts(rows, models.tokenizer, source, max_len, lines)
     if cfg.algo == "ppo":
         models.critic_init, models.critic = start_critic(cfg, run_dir, base, done, device)

@@ -17,8 +17,9 @@ from grpo.cli import StageError
 class Range:
     """lo ≤ x ≤ hi (either end open, or absent), for a number or each number of a list."""
 
-    def __init__(self, lo=None, hi=None, lo_open=False, hi_open=False):
+    def __init__(self, lo=None, hi=None, lo_open=False, hi_open=False, infinite=False):
         self.lo, self.hi, self.lo_open, self.hi_open = lo, hi, lo_open, hi_open
+        self.infinite = infinite            # +inf is a value (no limit), not a mistake
 
     def __call__(self, x):
         return ((self.lo is None or (x > self.lo if self.lo_open else x >= self.lo))
@@ -28,7 +29,7 @@ class Range:
         if self.lo is None and self.hi is None:
             return "a finite number"
         if self.hi is None:
-            return f"{'>' if self.lo_open else '≥'} {self.lo:g}"
+            return f"{'>' if self.lo_open else '≥'} {self.lo:g}" + (" (inf: no limit)" if self.infinite else "")
         return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
 
 
@@ -43,8 +44,12 @@ def above(lo):
     return Range(lo, lo_open=True)
 
 
-def between(lo, hi, lo_open=False):
-    return Range(lo, hi, lo_open=lo_open)
+def between(lo, hi, lo_open=False, hi_open=False):
+    return Range(lo, hi, lo_open=lo_open, hi_open=hi_open)
+
+
+def above_or_inf(lo):
+    return Range(lo, lo_open=True, infinite=True)
 
 
 def check(args, rules):
@@ -52,7 +57,7 @@ def check(args, rules):
     for name, rule in rules.items():
         value = getattr(args, name, None)
         for x in value if isinstance(value, list) else [] if value is None else [value]:
-            if not (math.isfinite(x) and rule(x)):
+            if not ((math.isfinite(x) or (rule.infinite and x == math.inf)) and rule(x)):
                 shown = f"{x:g}" + (" (not finite)" if not math.isfinite(x) and rule.lo is None else "")
                 raise StageError(f"--{name.replace('_', '-')} must be {rule}, got {shown}")
 
@@ -64,7 +69,8 @@ def kind(action):
     """(element type, is a list) of a flag: bool for switches, else its argparse type (str if none)."""
     if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
         return bool, False
-    return action.type or str, action.nargs in ("+", "*")
+    element = action.type if isinstance(action.type, type) else str        # a checking function takes a string
+    return element, action.nargs in ("+", "*")
 
 
 def stage_flags(parsers, owned):

@@ -24,12 +24,13 @@ Tasks (`make_task(name, seed)` returns train and held-out records and the reward
   in that class (dense, in [0, 1]; a random model starts near 0.1 to 0.25).
 """
 
+import json
 import random
 import re
 import string
 
 from grpo import files, modeling
-from grpo.cli import StageError
+from grpo.cli import StageError, warn
 
 # A number, with thousands separators ("1,234") or without; linear time on any text.
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -64,8 +65,9 @@ def completion_text(completion):
 
 
 def exact_answer(prompts, completions, answer, **fields):
-    """1.0 when the last number in the completion equals the record's `answer`, else 0.0."""
-    return [float(a is not None and last_number(completion_text(c)) == canonical_number(a))
+    """1.0 when the last number in the completion equals the record's `answer`, else 0.0; None (the
+    reward does not apply, as `math` says it) for a record without an answer."""
+    return [None if a is None or a == "" else float(last_number(completion_text(c)) == canonical_number(a))
             for c, a in zip(completions, answer)]
 
 
@@ -175,4 +177,9 @@ def run_records(task, seed, prompts="", eval_prompts_file="", eval_prompts=0):
     if eval_prompts_file:
         held_out, lines = read_prompt_file(eval_prompts_file)
         where["held_out"] = (eval_prompts_file, lines)
+        seen = {json.dumps(r, sort_keys=True) for r in train}
+        shared = sum(json.dumps(r, sort_keys=True) in seen for r in held_out)
+        if shared:
+            warn(f"--eval-prompts-file {eval_prompts_file}: {shared} of its {len(held_out)} records are also "
+                 f"training records, so the held-out score measures prompts the policy trains on")
     return train, held_out, where

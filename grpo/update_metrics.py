@@ -4,7 +4,8 @@ one record per AdamW step (measured before the step), and their mean over the st
 A per-token mean is a term summed over the loss's tokens, divided by their count, so that it does
 not depend on how a minibatch is cut into micro-batches or shared between ranks. The first
 minibatch, before any step (when π_θ is still π_old), also gives the on-policy check:
-|log π_θ − log π_old| and the share of tokens already outside the clip band.
+|log π_θ − log π_old| and the share of tokens already outside the clip band; and |log π_θ − log π_ref|,
+exactly 0 while θ is still θ_ref (docs/numerics.md).
 """
 
 import math
@@ -18,9 +19,10 @@ TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped
                "clip_frac_high": "clipped_high", "clip_frac_dual": "dual_clipped", "ratio_mean": "ratio",
                "entropy": "entropy"}
 VALUE_TOKEN_MEANS = {"value_clip_frac": "value_clipped", "value_mean": "value"}       # PPO's critic
-SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "completion_tokens", "outside_clip", "checked",
+SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "ref_logprob_diff", "completion_tokens",
+        "signal_clipped", "signal_tokens", "outside_clip", "checked",
         "value_loss", *VALUE_TOKEN_MEANS)
-MAXES = ("ratio", "logprob_diff")
+MAXES = ("ratio", "logprob_diff", "ref_logprob_diff")
 
 
 class UpdateMetrics:
@@ -30,7 +32,7 @@ class UpdateMetrics:
     def __init__(self, clip_eps, clip_eps_high, ratio_level, has_ref, num_models):
         self.clip_eps, self.clip_eps_high, self.ratio_level = clip_eps, clip_eps_high, ratio_level
         self.has_ref, self.num_models = has_ref, num_models
-        self.steps, self.on_policy = [], None
+        self.steps, self.on_policy, self.signal = [], None, []
 
     def start(self):
         self.sums, self.maxes = dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0)
@@ -47,12 +49,18 @@ class UpdateMetrics:
         for name, term in token_means.items():
             sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
         sums["value_loss"] += terms["value_loss"].item() if "value" in terms else 0.0
+        A = batch["advantages"]                                                   # [n] or [n, T]
+        signal = loss_mask & ((A != 0)[:, None] if A.dim() == 1 else (A != 0))     # [n, T] tokens that can clip
+        sums["signal_tokens"] += signal.sum().item()
+        sums["signal_clipped"] += ((terms["clipped_low"] | terms["clipped_high"]) & signal).sum().item()
         if loss_mask.any():
             maxes["ratio"] = max(maxes["ratio"], terms["ratio"][loss_mask].max().item())
-        diff_max, diff_sum = diagnostics.logprob_mismatch(terms["logp"], batch["old_logprobs"], mask)
-        sums["logprob_diff"] += diff_sum
+        for name, other in (("logprob_diff", batch["old_logprobs"]), ("ref_logprob_diff", terms["ref_logp"])):
+            if other is not None:
+                diff_max, diff_sum = diagnostics.logprob_mismatch(terms["logp"], other, mask)
+                sums[name] += diff_sum
+                maxes[name] = max(maxes[name], diff_max)
         sums["completion_tokens"] += mask.sum().item()
-        maxes["logprob_diff"] = max(maxes["logprob_diff"], diff_max)
         sequence = self.ratio_level == "sequence"                                   # one ratio per row
         ratio = terms["ratio"][:, :1] if sequence else terms["ratio"]             # [n, 1] or [n, T]
         checked = mask.any(-1, keepdim=True) if sequence else mask
@@ -66,16 +74,20 @@ class UpdateMetrics:
         self.maxes = distributed.all_reduce(self.maxes, "max")
         self.grad_norms = grad_norms
         if self.on_policy is None:
+            tokens, ref = self.sums["completion_tokens"], self.has_ref
             self.on_policy = {"logprob_diff_max": self.maxes["logprob_diff"],
-                              "logprob_diff_mean": self.sums["logprob_diff"] / self.sums["completion_tokens"],
+                              "logprob_diff_mean": self.sums["logprob_diff"] / tokens,
+                              "ref_logprob_diff_max": self.maxes["ref_logprob_diff"] if ref else None,
+                              "ref_logprob_diff_mean": self.sums["ref_logprob_diff"] / tokens if ref else None,
                               "outside_clip_on_policy": self.sums["outside_clip"] / self.sums["checked"]}
         return all(map(math.isfinite, [*grad_norms, self.sums["loss"], self.sums["value_loss"]]))
 
     def step(self, num_tokens, lr):
         self.steps.append(self._step_metrics(self.sums, self.maxes, self.grad_norms, num_tokens, lr))
+        self.signal.append((self.sums["signal_clipped"], self.sums["signal_tokens"]))
 
     def _step_metrics(self, sums, maxes, grad_norms, num_tokens, lr):
-        """One optimizer step's metrics, in metrics.json's names (kl is null without ref_logprobs); with
+        """One optimizer step's metrics, in metrics.json's names (kl is null without a reference); with
         a critic (a second grad norm), its value_* metrics too."""
         per_token = {name: sums[name] / num_tokens for name in TOKEN_MEANS}
         if not self.has_ref:
@@ -90,7 +102,9 @@ class UpdateMetrics:
 
     def summary(self, skipped):
         """metrics.json: the mean of each metric over the optimizer steps (null for a null one, all null
-        with no step), the step counts, and the on-policy check."""
+        with no step), the step counts, the on-policy check, and clip_frac_signal: the share of the
+        tokens that can clip (of rows with a nonzero advantage, in the steps after the first, whose
+        ratio is 1) whose objective was clipped; null where there are none."""
         if self.steps:
             steps = self.steps
             means = {k: None if v is None else sum(s[k] for s in steps) / len(steps)
@@ -99,7 +113,10 @@ class UpdateMetrics:
             placeholder = self._step_metrics(dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0),
                                              [0.0] * self.num_models, 1, 0.0)
             means = dict.fromkeys(placeholder)
-        return {**means, "optimizer_steps": len(self.steps), "skipped_steps": skipped, **self.on_policy}
+        later = self.signal[1:]                       # the first step's ratio is 1: nothing can clip there
+        clipped, tokens = sum(c for c, _ in later), sum(t for _, t in later)
+        return {**means, "clip_frac_signal": clipped / tokens if tokens else None,
+                "optimizer_steps": len(self.steps), "skipped_steps": skipped, **self.on_policy}
 
     def warnings(self):
         """What the on-policy check calls for: sampler and trainer disagree, or rounding alone clips."""

@@ -52,3 +52,8 @@ def accuracy_reward(completions, solution, **kwargs):
             reward = None
         rewards.append(reward)
     return rewards
+
+
+def nothing(prompts, completions, **fields):
+    """0 for every completion: with PPO's zero-initialised critic head, every GAE advantage and return is 0."""
+    return [0.0] * len(completions)

@@ -17,6 +17,6 @@ def test_default_model_converts_and_answers(tmp_path):
     texts, _ = modeling.render_prompts([record], tok, "prompt", None)
     assert texts[0].endswith("<|im_start|>assistant\n")
     no_reward = lambda rows, r: (torch.zeros(1), {}, torch.zeros(1, dtype=torch.bool))  # noqa: E731
-    _, answers, _, _, lengths = evaluation.greedy_answers(model.eval(), tok, [record], no_reward, 48)
+    _, answers, _, _, lengths, _ = evaluation.greedy_answers(model.eval(), tok, [record], no_reward, 48)
     # Weights that survived the conversion answer a one-digit sum and end their turn (EOS within 48 tokens).
     assert "5" in answers[0] and lengths[0] < 48, answers

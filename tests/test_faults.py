@@ -112,7 +112,8 @@ def test_non_finite_step_is_skipped_and_counted(models, rollout_dir):
     assert m["skipped_steps"] == 2 and m["optimizer_steps"] == 0
     _, stepped = run_update(models["policy"], rollouts, torch.zeros_like(huge), minibatch_size=8)
     assert m.keys() == stepped.keys()                          # the same names, none with a value
-    counted = {"skipped_steps", "optimizer_steps", "logprob_diff_max", "logprob_diff_mean", "outside_clip_on_policy"}
+    counted = {"skipped_steps", "optimizer_steps", "logprob_diff_max", "logprob_diff_mean", "ref_logprob_diff_max",
+               "ref_logprob_diff_mean", "outside_clip_on_policy"}
     assert all(m[k] is None for k in stepped.keys() - counted)
     for name, p in policy.state_dict().items():
         assert torch.equal(p, start[name]), name                 # no NaN written, nothing moved
@@ -178,7 +179,7 @@ def test_every_stage_bounds_its_forward_passes_by_micro_batch_size(models, rollo
     r = cli("update.py", "--model", models["policy"], "--rollouts", out / "rollouts.safetensors", "--advantages",
             tmp_path / "a.safetensors", "--out", tmp_path / "u", "--micro-batch-size", 5)
     assert r.code == 0, r.err
-    assert len(loaded) == 4                                    # policy, reference, reward model, trained policy
+    assert len(loaded) == 5                 # policy, reference, reward model; update.py's policy and reference
     for hook in loaded:
         assert hook.sizes and max(hook.sizes) <= 5, hook.sizes
         assert sum(hook.sizes) >= 32                           # every row went through (in several passes)

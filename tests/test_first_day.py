@@ -9,7 +9,7 @@ The cases, each a test below:
   the reward weights of training;
 - late, messy or missing errors: a failed run leaves no run folder, so the corrected command runs
   as given, and a resume that fails to start leaves the run as it was; `--lr -1`, `--num-prompts
-  0`, `--eval-prompts 0` and `"group_size": "4"` in a --config-file are one line each; `--group-size
+  0`, `--eval-prompts 0` with evaluation on, and `"group_size": "4"` in a --config-file are one line each; `--group-size
   1` with a group estimator is caught before any folder or model; a reward that takes a field the
   records lack is named before the first iteration; line numbers count from 1 in every message;
 - what users look for: samples.jsonl carries each completion's reward, each function's reward and
@@ -85,9 +85,9 @@ def test_a_run_stops_on_any_setting_out_of_range_before_its_folder_exists(tmp_pa
         assert not run_dir.exists(), name
     for argv, fragment in [(["--beta", "-1"], "--beta must be ≥ 0, got -1"),
                            (["--clip-eps", "-0.5"], "--clip-eps must be in (0, 1], got -0.5"),
-                           (["--lr", "-1"], "--lr must be > 0, got -1"),
+                           (["--lr", "-1"], "--lr must be ≥ 0, got -1"),
                            (["--num-prompts", "0"], "--num-prompts must be ≥ 1, got 0"),
-                           (["--eval-prompts", "0"], "--eval-prompts must be ≥ 1, got 0"),
+                           (["--eval-prompts", "0"], "--eval-prompts 0 with --eval-every 10"),
                            (["--group-size", "1"], "--group-size 1: --estimator grpo compares")]:
         r = cli("train.py", "--config", "tiny", *argv, "--run-dir", tmp_path / "named")
         assert_user_error(r, fragment)
@@ -151,11 +151,12 @@ def test_skip_is_honoured_in_the_held_out_evaluation_with_the_weights_of_trainin
     for record in records[::2]:
         record["solution"] = "oops"                 # the reward below raises on these rows
     prompts = write_jsonl(tmp_path / "p.jsonl", records)
+    held_out = write_jsonl(tmp_path / "e.jsonl", [{**r, "split": "held-out"} for r in records])
     reward = tmp_path / "fragile.py"
     reward.write_text("def fragile(prompts, completions, solution, **kw):\n"
                       "    if any(s == 'oops' for s in solution):\n        raise ValueError('cannot read')\n"
                       "    return [1.0] * len(completions)\n")
-    argv = ["--model", "tiny", "--prompts", prompts, "--eval-prompts-file", prompts, "--reward", f"{reward}:fragile",
+    argv = ["--model", "tiny", "--prompts", prompts, "--eval-prompts-file", held_out, "--reward", f"{reward}:fragile",
             "--iterations", 1, "--max-new-tokens", 4, "--eval-prompts", 4]
     r = cli("train.py", *argv, "--run-dir", tmp_path / "fail")
     assert_user_error(r, "reward", "fragile", "raised ValueError: cannot read", "--on-reward-error skip")

@@ -81,6 +81,34 @@ def test_resume_is_exact(lora_run, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_is_exact_with_dropout_on_the_adapters(tmp_path):
+    """The dropout masks come from a generator each update seeds, not from wherever torch's global one is."""
+    flags = [*LORA, "--lora-dropout", 0.1, "--eval-every", 0, "--save-every", 2]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert cli("train.py", *flags, "--iterations", 4, "--run-dir", whole).code == 0
+    assert cli("train.py", *flags, "--iterations", 2, "--run-dir", resumed).code == 0
+    torch.rand(7)                                     # the global generator is elsewhere now
+    assert cli("train.py", *flags, "--iterations", 4, "--run-dir", resumed, "--resume").code == 0
+    a = load_file(whole / "policy" / "adapter_model.safetensors")
+    b = load_file(resumed / "policy" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_dropout_given_applies_to_saved_adapters_and_lora_flags_need_adapters(lora_run, models, prompts_file,
+                                                                                  tmp_path):
+    from argparse import Namespace
+
+    args = Namespace(trust_remote_code=False, lora_r=0, lora_alpha=None, lora_dropout=0.3, lora_target_modules=None)
+    policy = lora.load_policy(str(lora_run / "policy"), "cpu", args)
+    rates = {m.p for name, m in policy.named_modules() if name.endswith("lora_dropout.default")}
+    assert rates == {0.3}
+    r = cli("sample.py", "--model", models["policy"], "--prompts", prompts_file, "--out", tmp_path, "--lora-alpha", 8)
+    assert r.code == 2 and "--lora-alpha without --lora-r" in r.err and "Traceback" not in r.err, r.err
+    r = cli("sample.py", "--model", lora_run / "policy", "--prompts", prompts_file, "--out", tmp_path,
+            "--lora-alpha", 3)
+    assert r.code == 2 and "not --lora-alpha 3" in r.err, r.err
+
+
 def test_an_iteration_replays_stage_by_stage(lora_run, tmp_path):
     it = lora_run / "iter_0010"
     out = replay_iteration(it, tmp_path / "replay")
@@ -95,7 +123,7 @@ def test_sharing_micro_batches_and_checkpointing_give_the_same_step(lora_run, tm
     it = lora_run / "iter_0010"
     common = ["--model", lora_run / "checkpoints" / "iter_0010", "--rollouts", it / "rollouts.safetensors",
               "--advantages", it / "advantages.safetensors", "--lr", LORA_LR, "--lora-r", 16,
-              "--lora-target-modules", *TARGETS]
+              "--lora-target-modules", *TARGETS, "--ref-model", lora_run / "base_model"]
     outs = {}
     for name, flags in [("plain", ["--no-prefix-sharing"]), ("shared", ["--micro-batch-size", 5]),
                         ("checkpointed", ["--gradient-checkpointing", "--micro-batch-size", 3])]:
@@ -144,7 +172,7 @@ def test_the_samplers_packed_products_reach_the_adapters_and_compute_what_peft_d
 def test_lora_flags_are_checked(models, tmp_path):
     base = ["--model", models["policy"], "--rollouts", "r", "--advantages", "a", "--out", tmp_path / "o"]
     for flags, fragment in [(["--lora-r", -1], "--lora-r must be ≥ 0"), (["--lora-alpha", 0], "--lora-alpha"),
-                            (["--lora-dropout", 1.5], "--lora-dropout"),
+                            (["--lora-dropout", 1.5], "--lora-dropout"), (["--lora-dropout", 1.0], "in [0, 1)"),
                             (["--lora-r", 4, "--fsdp"], "--lora-r with --fsdp")]:
         r = cli("update.py", *base, *flags)
         assert r.code == 2 and fragment in r.err and "Traceback" not in r.err, r.err

@@ -63,6 +63,13 @@ def test_a_token_outside_the_top_k_is_never_drawn_and_log_probs_stay_the_models(
     assert logp[completion_mask].exp().max() < 1 and (logp[completion_mask] < math.log(0.99)).all()
 
 
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token(tiny):
+    z = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert probs(sample.truncate(z, top_k=4)) == probs(sample.truncate(z, top_k=100)) == probs(z)
+    vocab = tiny[1].config.vocab_size
+    assert torch.equal(draw(tiny, 1.0, top_k=vocab + 1000)[0], draw(tiny, 1.0)[0])
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_top_k_one_is_greedy_decoding_at_any_temperature(tiny, temperature):
     tok, policy, ids, mask = tiny

@@ -5,12 +5,13 @@ run's defaults that differ from a stage's are listed with a reason."""
 import json
 
 import pytest
+import torch
 from conftest import ROOT, cli
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train
-from grpo import settings
+from grpo import runs, settings
 
 # A value other than the default for every stage flag train.py exposes. The two runs below take
 # them: GRPO's knobs in one run, PPO's in the other, with --ignore-eos (which would leave
@@ -23,7 +24,7 @@ GRPO_KNOBS = {
     "scale": "batch", "eps": 0.001, "length_strata": 2,
     "lr": 0.002, "lr_schedule": "cosine", "warmup_steps": 1, "beta": 0.02, "clip_eps": 0.3, "clip_eps_high": 0.35,
     "loss_agg": "token", "dual_clip": 3.0, "ratio_level": "sequence", "kl_estimator": "k2", "entropy_coef": 0.01,
-    "mask_truncated": True, "old_logprobs": "recompute", "epochs": 2, "minibatch_size": 6,
+    "mask_truncated": True, "old_logprobs": "recompute", "ref_logprobs": "rollouts", "allow_mismatch": True, "epochs": 2, "minibatch_size": 6,
     "gradient_checkpointing": True, "max_grad_norm": 0.5, "weight_decay": 0.5, "max_bad_steps": 3, "fsdp": True,
 }
 PPO_KNOBS = {
@@ -73,7 +74,7 @@ def test_every_knob_reaches_the_stage_that_takes_it(algo, knobs, tmp_path, monke
     r = cli("train.py", "--config", "tiny", "--algo", algo, "--iterations", 2, "--eval-every", 0,
             "--run-dir", run_dir, *flags(knobs))
     assert r.code == 0, r.err
-    for name, value in knobs.items():
+    for name, value in runs.absolute_paths(knobs).items():          # a run stores its files' absolute paths
         for script in train.FLAGS[name][1]:
             assert metadata(run_dir / RECORDED[script], "args")[name] == value, (name, script)
     groups = metadata(run_dir / "policy" / "optimizer.safetensors", "param_groups")
@@ -95,3 +96,25 @@ def test_weight_decay_changes_the_weights(tmp_path):
     w0, w5 = weights[0.0]["model.norm.weight"], weights[0.5]["model.norm.weight"]
     shrink = ((w0 - w5) / w0).median().item()
     assert 0.5 * 2 * 3e-3 * 0.5 < shrink < 1.5 * 2 * 3e-3 * 0.5, shrink
+
+
+def test_legitimate_extremes_are_accepted_and_meaningless_combinations_refused(models, rollout_dir, tmp_path):
+    """--lr 0 (a frozen control run) and --max-grad-norm inf (no clipping) are settings, not mistakes;
+    --eval-prompts 0 is one with --eval-every 0, and a mistake with anything else."""
+    from safetensors.torch import save_file
+
+    groups = load_file(rollout_dir / "rollouts.safetensors")["group_ids"]
+    save_file({"advantages": torch.linspace(-3, 3, len(groups)), "group_ids": groups},
+              str(tmp_path / "advantages.safetensors"))
+    r = cli("update.py", "--model", models["policy"], "--rollouts", rollout_dir / "rollouts.safetensors",
+            "--advantages", tmp_path / "advantages.safetensors", "--out", tmp_path / "frozen", "--lr", 0,
+            "--max-grad-norm", "inf")
+    assert r.code == 0, r.err
+    before, after = load_file(f"{models['policy']}/model.safetensors"), load_file(tmp_path / "frozen" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "frozen" / "metrics.json").read_text())["grad_norm"] > 0
+    assert train.parse_args(["--config", "tiny", "--eval-every", "0", "--eval-prompts", "0",
+                             "--run-dir", str(tmp_path / "run")])[1].eval_prompts == 0
+    r = cli("train.py", "--config", "tiny", "--eval-prompts", 0, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and "--eval-prompts 0 with --eval-every 10" in r.err, r.err
+    assert not (tmp_path / "run").exists()

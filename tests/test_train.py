@@ -160,7 +160,7 @@ def test_a_field_reaches_every_stage_with_a_flag_of_its_name(tmp_path):
     stage = {script: train.stage_args(script, cfg, "it", 0, 0, paths, []) for script in train.STAGES}
     assert [stage[s].micro_batch_size for s in ("sample.py", "score.py", "update.py")] == [5, 5, 5]
     assert stage["advantage.py"].eps == 0.01 and stage["update.py"].temperature == cfg.temperature
-    assert stage["score.py"].reward == ["char_class", "tests/length_reward.py:char_count"]
+    assert stage["score.py"].reward == ["char_class", os.path.abspath("tests/length_reward.py") + ":char_count"]
     assert stage["score.py"].reward_weights == [1.0, 0.5]
     assert stage["update.py"].max_grad_norm == 0.3 and stage["update.py"].weight_decay == 0.1
     # Without --reward the task's reward, each weighted 1 by score.py's own default.

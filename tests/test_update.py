@@ -188,10 +188,11 @@ def test_cli_writes_checkpoint_optimizer_and_metrics(models, rollout_dir, tmp_pa
     state = load_file(out / "optimizer.safetensors")
     assert "model.embed_tokens.weight/exp_avg" in state and state["model.embed_tokens.weight/step"].item() == 4
 
-    # A second update from that folder continues AdamW's state (step 4 -> 6).
+    # A second update from that folder continues AdamW's state (step 4 -> 6): on the same rollouts, which
+    # another policy sampled, so deliberately (--allow-mismatch).
     out2 = tmp_path / "policy2"
     r = cli("update.py", "--model", out, "--rollouts", rollout_dir / "rollouts.safetensors",
-            "--advantages", adv_file, "--out", out2, "--lr", 1e-3, "--epochs", 2)
+            "--advantages", adv_file, "--out", out2, "--lr", 1e-3, "--epochs", 2, "--allow-mismatch")
     assert r.code == 0, r.err
     assert load_file(out2 / "optimizer.safetensors")["model.embed_tokens.weight/step"].item() == 6
 
