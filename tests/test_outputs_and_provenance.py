@@ -104,7 +104,7 @@ def test_sample_score_and_advantage_never_write_over_what_is_not_theirs(models, 
     rollouts, samples, rewards = d / "it" / "rollouts.safetensors", d / "it" / "samples.jsonl", d / "rewards.safetensors"
     before = snapshot(d)
     for out, fragment in [(rollouts, "is also the command's input"), (mine / "notes.txt", "not a stage file"),
-                          (d / "advantages.safetensors", "a advantages/1 file")]:
+                          (d / "advantages.safetensors", "a advantages/1 file"), (run_dir, "is a folder")]:
         assert_user_error(cli("score.py", "--rollouts", rollouts, "--samples", samples, "--reward", "char_class",
                               "--out", out), fragment)
     for out, fragment in [(rewards, "is also the command's input"), (rollouts, "a rollouts/1 file")]:
@@ -155,6 +155,14 @@ def test_advantages_and_rewards_must_be_of_the_rollouts(models, chain, tmp_path)
     assert not (tmp_path / "u").exists()
     assert cli("update.py", "--model", models["policy"], "--rollouts", a / "it" / "rollouts.safetensors",
                "--advantages", b / "advantages.safetensors", "--out", tmp_path / "u", "--allow-mismatch").code == 0
+
+
+def test_gae_reads_the_rollouts_its_rewards_were_scored_on(chain, tmp_path):
+    a, b = chain[0], chain[1]
+    r = cli("advantage.py", "--rewards", a / "rewards.safetensors", "--out", tmp_path / "adv.safetensors",
+            "--estimator", "gae", "--rollouts", b / "it" / "rollouts.safetensors")
+    assert_user_error(r, str(a / "rewards.safetensors"), str(b / "it" / "rollouts.safetensors"), "--allow-mismatch")
+    assert not (tmp_path / "adv.safetensors").exists()
 
 
 def test_rollouts_of_another_policy_need_recompute_and_another_tokenizer_is_refused(models, chain, tmp_path):
