@@ -711,11 +711,13 @@ def summary_table(name, claim, arms, runs, sweep, setup):
              f"`--iterations {K} --eval-every {setup.eval_every} --seed S`, seeds 0–{max(seeds) - 1} "
              f"({'/'.join(map(str, seeds))} per arm). Command: `python -m experiments.claims {name}`.", "",
              "## Pre-stated tests (Welch 95% interval over seeds; the first is the claim's verdict)", "",
-             "| test | metric | contrast | predicted | estimate | 95% interval | verdict | seeds an arm to decide |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| test | metric | contrast | predicted | estimate | 95% interval | verdict | family-wise (Holm) "
+             "| seeds an arm to decide |",
+             "|---|---|---|---|---|---|---|---|---|"]
     projected = False                                 # some test's seeds to decide were projected
-    for test in claim.tests:
-        values = {arm: [r.metric(test.metric) for r in runs[arm]] for arm in test.contrast}
+    values_of = [{arm: [r.metric(test.metric) for r in runs[arm]] for arm in test.contrast} for test in claim.tests]
+    rejected = stats.holm([stats.welch_p(v, t.contrast, t.offset) for t, v in zip(claim.tests, values_of)])
+    for test, values, family in zip(claim.tests, values_of, rejected):
         est, low, high, df, verdict = decide(test, values)
         interval = "– (fewer than 2 seeds)" if low is None else f"[{low:+.3f}, {high:+.3f}] (ν = {df:.1f})"
         needed = "–"                                  # decided, or no std to project from
@@ -724,7 +726,11 @@ def summary_table(name, claim, arms, runs, sweep, setup):
                          or f"over {MOST_SEEDS}")
             projected = True
         lines.append(f"| {test.text} | `{test.metric}` | {contrast_text(test)} | {test.direction} 0 | "
-                     f"{est:+.3f} | {interval} | **{verdict}** | {needed} |")
+                     f"{est:+.3f} | {interval} | **{verdict}** | "
+                     f"{stats.family_verdict(family, est, test.direction)} | {needed} |")
+    lines += ["", f"Family-wise: Holm's step-down over the claim's {len(claim.tests)} tests at α = 0.05 (two-sided "
+              "Welch p-values, experiments/stats.py:holm): the verdicts that hold for the tests together, where "
+              "the verdict column holds for each test alone."]
     if projected:
         lines += ["", "Seeds an arm to decide: for a test not distinguishable, the fewest seeds per arm whose "
                   "interval would exclude 0 (on the estimate's side, which may not be the predicted one) if "

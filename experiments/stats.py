@@ -13,6 +13,10 @@ excludes 0 on the other, else "not distinguishable at this scale". An arm with f
 no std, so no interval: "not distinguishable". When every arm's seeds agree exactly (se = 0) the
 interval is the point est, which excludes 0 unless est is 0.
 
+A claim's tests are a family: the table also gives each test's verdict under Holm's step-down over
+the claim's tests at α = 0.05 (two-sided Welch p-values), which bounds the chance that any of them
+is called reproduced or refuted by chance, where the per-test verdict bounds it for each alone.
+
 How many seeds would decide a test that is not distinguishable: the smallest n such that n seeds in
 every arm, with each arm's mean and std as seen, give a Welch interval that excludes 0. It is a
 projection from the runs made (the estimate and the spreads may move with more seeds), not a run.
@@ -78,6 +82,44 @@ def half_width(terms, level=0.95):
         return 0.0, float("inf")
     df = se2 ** 2 / sum(v * v / (n - 1) for v, n in terms if v > 0)
     return t_quantile(0.5 + level / 2, df) * math.sqrt(se2), df
+
+
+def welch_p(samples, contrast, offset=0.0):
+    """The two-sided p-value of Welch's t test of Σ_k c_k·mean_k − offset = 0: 2·P(T_ν > |est|/se), the
+    number whose being below 1 − level is the interval's excluding 0. None when an arm has fewer than 2
+    values; 0 when se = 0 and est ≠ 0 (1 when est = 0 too)."""
+    arms = {arm: np.asarray(samples[arm], dtype=np.float64) for arm in contrast}
+    if any(len(x) < 2 for x in arms.values()):
+        return None
+    est = sum(c * arms[arm].mean() for arm, c in contrast.items()) - offset
+    terms = [(c * c * arms[arm].var(ddof=1) / len(arms[arm]), len(arms[arm])) for arm, c in contrast.items()]
+    se2 = sum(v for v, _ in terms)
+    if se2 == 0:
+        return 0.0 if est != 0 else 1.0
+    df = se2 ** 2 / sum(v * v / (n - 1) for v, n in terms if v > 0)
+    return 2 * (1 - t_cdf(abs(est) / math.sqrt(se2), df))
+
+
+def holm(pvalues, alpha=0.05):
+    """Holm's step-down over a family of tests: which p-values are rejected with a family-wise error rate
+    of at most alpha. The k-th smallest (from 0) is rejected when it is at most alpha/(m − k) and every
+    smaller one was; a None p-value (no interval) is never rejected. [m] -> [m] bool, in input order."""
+    m = len(pvalues)
+    order = sorted((i for i in range(m) if pvalues[i] is not None), key=lambda i: pvalues[i])
+    rejected = [False] * m
+    for k, i in enumerate(order):
+        if pvalues[i] > alpha / (m - k):
+            break
+        rejected[i] = True
+    return rejected
+
+
+def family_verdict(rejected, est, direction):
+    """The verdict a test keeps within its family: its sign decides, as verdict() does, where Holm
+    rejects; not distinguishable where it does not."""
+    if not rejected:
+        return UNCLEAR
+    return verdict(est, est, direction)
 
 
 def verdict(low, high, direction):

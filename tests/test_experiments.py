@@ -91,6 +91,29 @@ def test_welch_interval_against_a_hand_computation():
     assert df == pytest.approx((2 / 2 + 0.5 / 2) ** 2 / ((2 / 2) ** 2 + (0.5 / 2) ** 2))
 
 
+def test_welch_p_against_a_hand_computation_and_the_interval():
+    # a: mean 4, s² = 4; b: no spread. se² = 4/3, ν = 2 exactly, t = 3/√(4/3) = 2.598; for ν = 2 the t
+    # distribution's tail has a closed form, P(|T| > t) = 1 − t/√(2 + t²) = 0.12168.
+    t = 3 / math.sqrt(4 / 3)
+    assert stats.welch_p({"a": [2, 4, 6], "b": [1, 1, 1]}, {"a": 1, "b": -1}) == pytest.approx(
+        1 - t / math.sqrt(2 + t * t), abs=1e-8)
+    assert stats.welch_p({"a": [1], "b": [1, 2]}, {"a": 1, "b": -1}) is None           # one seed: no test
+    rng = np.random.default_rng(0)                     # p < 0.05 exactly when the 95% interval excludes 0
+    for _ in range(200):
+        values = {"a": rng.normal(0.3, 0.2, 3), "b": rng.normal(0, 0.2, 4)}
+        _, low, high, _ = stats.welch_interval(values, {"a": 1, "b": -1})
+        assert (stats.welch_p(values, {"a": 1, "b": -1}) < 0.05) == (low > 0 or high < 0)
+
+
+def test_holm_against_a_hand_computation():
+    # m = 3: 0.01 ≤ 0.05/3 is rejected; then 0.03 > 0.05/2 stops the steps: 0.04 is not tested.
+    assert stats.holm([0.01, 0.04, 0.03]) == [True, False, False]
+    assert stats.holm([0.02, 0.01, None]) == [True, True, False]        # 0.02 ≤ 0.05/2 once 0.01 is
+    assert stats.holm([0.04]) == [True] and stats.holm([0.06]) == [False]   # one test: the test itself
+    assert stats.family_verdict(True, -0.2, ">") == stats.REFUTED
+    assert stats.family_verdict(False, 0.3, ">") == stats.UNCLEAR
+
+
 @pytest.mark.parametrize("a, b, direction, expected", [
     ([0.60, 0.62, 0.58], [0.30, 0.33, 0.28], ">", stats.REPRODUCED),    # clearly positive
     ([0.60, 0.62, 0.58], [0.30, 0.33, 0.28], "<", stats.REFUTED),
