@@ -822,7 +822,9 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="--config tiny on the sums, 2 iterations, 1 seed, in --out (default experiments/smoke)")
     p.add_argument("--out", default=None, help="one folder for the runs and the results (default: "
-                                                "experiments/runs and experiments/results)")
+                                                "experiments/runs and experiments/results); the\n"
+                                                "records stay in experiments/records, whose finished runs are\n"
+                                                "read from there, never run again")
     p.add_argument("--threads", type=int, default=THREADS,
                    help=f"torch threads per run (default {THREADS}: see THREADS; 2 on a machine of one's own)")
     p.add_argument("--jobs", type=int, default=1,
@@ -839,9 +841,10 @@ def parse_args(argv=None):
         setup.iterations, setup.eval_every, setup.save_every = 2, 2, 1
         setup.base, setup.last = list(SMOKE), list(SMOKE_LAST)
         args.out = args.out or os.path.join(ROOT, "experiments", "smoke")
-    if args.out:
-        setup.runs_root, setup.results, setup.records = (os.path.join(args.out, folder)
-                                                         for folder in ("runs", "results", "records"))
+    if args.out:             # the runs and tables move; what is on record stays where it is and is read
+        setup.runs_root, setup.results = os.path.join(args.out, "runs"), os.path.join(args.out, "results")
+    if args.smoke:           # the smoke runs' records are not the claims': they stay beside them
+        setup.records = os.path.join(args.out, "records")
     return args, setup
 
 

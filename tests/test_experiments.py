@@ -205,6 +205,8 @@ def test_the_runs_of_a_claim_are_the_default_job_under_its_flags():
     argv = setup.argv(claims.CLAIMS["c8"], claims.CLAIMS["c8"].arms["mu4_lr1e-5"], 0)
     assert argv[:6] == ["--config", "tiny", "--epochs", "4", "--eval-every", "2"]
     assert (setup.runs_root, setup.records) == ("/x/runs", "/x/records")     # the smoke runs' records stay there
+    args, setup = claims.parse_args(["c1", "--out", "/x"])              # another folder: the records stay
+    assert (setup.runs_root, setup.results, setup.records) == ("/x/runs", "/x/results", claims.RECORDS)
 
 
 # --- what the claims add: prompts and rewards ----------------------------------------------------
