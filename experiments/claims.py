@@ -19,9 +19,10 @@ named diagnostic), a contrast of arms (a − b, or a difference of differences),
 article predicts. A test's 95% interval is Welch's over the seeds (experiments/stats.py); it is
 "reproduced" when the interval excludes 0 on the predicted side, "refuted" when it excludes 0 on
 the other, else "not distinguishable at this scale". The first test is the claim's verdict; the
-table writes every test's interval and verdict, computed here, never by hand. With `all`, a claim
-whose first test is not distinguishable at 3 seeds gets seeds 3 and 4 for that test's arms
-afterwards, while the runs so far have taken less than --budget-hours (default 8) of wall time.
+table writes every test's interval and verdict, computed here, never by hand. More seeds for a test
+not distinguishable at 3 are a second look at the same data: experiments/second_look.json states,
+before its runs, which tests get how many seeds and the rule that keeps the two looks' error at
+0.05 (--max-seeds, the uncorrected extra seeds of `all`, is off by default).
 
 Metrics of a run (METRIC in a test or a table): `acc` the held-out accuracy at the end (exact answer,
 greedy, rescored from eval/iter_XXXX.jsonl, so a shaped or noisy training reward does not enter it);
@@ -65,7 +66,7 @@ tokens 1.3–1.8× when answers grow, μ = 4 about 2.5×. Minutes of new runs (w
 | 10 | C6 a length-correlated reward, 64 tokens | 3 × 3, K = 20 | 69 |
 |  | all | 80 runs | about 7.5 h |
 
-Then, budget allowing, seeds 3 and 4 for the arms of each first test still not distinguishable.
+Then the second look of experiments/second_look.json, in its order, as the budget allows.
 """
 
 import argparse
@@ -813,8 +814,10 @@ def parse_args(argv=None):
     p.add_argument("claims", nargs="+", choices=[*CLAIMS, "all"], metavar="CLAIM",
                    help=f"{', '.join(CLAIMS)}, or all (in the order {' '.join(ORDER)})")
     p.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
-    p.add_argument("--max-seeds", type=int, default=5,
-                   help="with all: seeds for the arms of a first test still unclear (default 5; 0: off)")
+    p.add_argument("--max-seeds", type=int, default=0,
+                   help="with all: seeds for the arms of a first test still unclear, read at the first look's "
+                        "level, so an uncorrected second look (default 0: off; experiments/second_look.json "
+                        "is the planned one)")
     p.add_argument("--budget-hours", type=float, default=8.0,
                    help="with all: no more seeds once the finished runs took this much wall time")
     p.add_argument("--iterations", type=int, default=None, help="K of every run (default: each claim's)")
