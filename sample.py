@@ -271,9 +271,7 @@ def main(argv=None):
     device = distributed.init_distributed(args.device)
     tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
     policy = lora.load_policy(args.model, device, args)
-    for path, role in ((args.ref_model, "reference"), (args.critic, "critic")):
-        if path:
-            provenance.check_tokenizer(tokenizer, path, role, args.allow_mismatch, args.trust_remote_code)
+    provenance.check_tokenizers(tokenizer, args)
     ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     critic = modeling.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 

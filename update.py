@@ -406,9 +406,7 @@ def main(argv=None):
     policy = lora.load_policy(args.model, device, args)          # or its LoRA adapters
     if args.old_logprobs == "sampler":
         provenance.policy_of_rollouts(args.rollouts, policy, args.model, args.allow_mismatch)
-    for path, role in ((args.ref_model, "reference"), (args.critic, "critic")):
-        if path:
-            provenance.check_tokenizer(tokenizer, path, role, args.allow_mismatch, args.trust_remote_code)
+    provenance.check_tokenizers(tokenizer, args)
     ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
     optimizer = optim.adamw(policy, args.lr, args.weight_decay,

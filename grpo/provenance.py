@@ -90,18 +90,19 @@ def same_tokenizer(a, b):
     return a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
 
 
-def check_tokenizer(policy_tokenizer, model_path, role, allow, trust_remote_code=False):
-    """Refuse a reference or critic (`role`) at `model_path` whose tokenizer is not the policy's: its
-    log-probs or values would be of other token ids."""
+def check_tokenizers(policy_tokenizer, args):
+    """sample.py, update.py: refuse a --ref-model or --critic whose tokenizer is not the policy's (its
+    log-probs or values would be of other token ids), unless --allow-mismatch."""
     from grpo import modeling
 
-    if allow:
-        return
-    other = modeling.load_tokenizer(model_path, trust_remote_code)
-    if not same_tokenizer(policy_tokenizer, other):
-        raise StageError(f"{model_path}: the {role}'s tokenizer is not the policy's (vocabulary of "
-                         f"{len(other)} tokens, the policy's {len(policy_tokenizer)}, or other special "
-                         f"tokens); its numbers would be of other token ids (--allow-mismatch to go on)")
+    for path, role in ((args.ref_model, "reference"), (getattr(args, "critic", None), "critic")):
+        if not path or args.allow_mismatch:
+            continue
+        other = modeling.load_tokenizer(path, args.trust_remote_code)
+        if not same_tokenizer(policy_tokenizer, other):
+            raise StageError(f"{path}: the {role}'s tokenizer is not the policy's (vocabulary of {len(other)} "
+                             f"tokens, the policy's {len(policy_tokenizer)}, or other special tokens); its "
+                             f"numbers would be of other token ids (--allow-mismatch to go on)")
 
 
 # ----------------------------------------------------------------------------------------
