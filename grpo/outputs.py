@@ -63,8 +63,7 @@ def read_marker(path):
 def check_file(path, command, schema, inputs=(), flag="--out"):
     """Refuse the output file `path` unless it is new, or a stage file of `schema` that is not one of
     the command's `inputs` (paths)."""
-    same = [p for p in inputs if p and os.path.abspath(p) == os.path.abspath(path)]
-    if same:
+    if any(p and os.path.abspath(p) == os.path.abspath(path) for p in inputs):
         raise StageError(f"{flag} {path}: is also the command's input; {command} would overwrite it")
     if os.path.isdir(path):
         raise StageError(f"{flag} {path}: is a folder, expected a file name")

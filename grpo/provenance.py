@@ -125,8 +125,9 @@ def rewards_of_rollouts(rewards_path, rollouts_path, allow):
     advantages' made_from, which names the rollouts the update must be given."""
     rollouts = made_from(rewards_path).get("rollouts")
     if rollouts_path:
-        check(rollouts, file_digest(rollouts_path), "rollouts", rewards_path, rollouts_path, allow)
-        rollouts = rollouts or file_digest(rollouts_path)
+        given = file_digest(rollouts_path)
+        check(rollouts, given, "rollouts", rewards_path, rollouts_path, allow)
+        rollouts = rollouts or given
     return advantages_made_from(rewards_path, rollouts)
 
 

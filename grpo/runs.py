@@ -79,7 +79,10 @@ def is_run(run_dir):
     if mark is not None:
         return mark.get("command") == "train.py"
     path = os.path.join(run_dir, "config.json")
-    return os.path.isfile(path) and isinstance(files.read_json(path), dict) and "config" in files.read_json(path)
+    if not os.path.isfile(path):
+        return False
+    saved = files.read_json(path)
+    return isinstance(saved, dict) and "config" in saved
 
 
 def parser(description, configs):
