@@ -39,9 +39,11 @@ several claims (the default job is in C3, C4, C5, C9 and C10) runs once. A run w
 is finished and never run again; a run cut short is finished with `train.py --resume` from its last
 save; one that never saved starts over. A finished run keeps its iterations' files, eval/ and tb/;
 its policy/, checkpoints/ and critic_init/ (1.6 GB a save) are deleted. What its table and figure
-read (experiment.json, config.json, iter_XXXX/metrics.json, eval/) is also kept in RECORDS/HASH, which
+read (experiment.json, config.json, iter_XXXX/metrics.json, eval/) is also kept as one JSON line, by
+the run's HASH, in RECORDS/CLAIM.jsonl.gz (the claim that first asked for it; about 10 kB a run), which
 is committed: a fresh checkout, whose RUNS is empty, takes a finished run from there instead of
-running it again, and a reader can recompute every table from it. experiment.json records the
+running it again, and a reader can recompute every table from it (`zcat RECORDS/c1.jsonl.gz | jq`
+reads one; tests/test_experiments.py rebuilds each table from them). experiment.json records the
 run's wall and CPU seconds (user + sys of the child, on --threads torch threads, summed over its
 attempts; an attempt killed with this process is not counted, so the tables take a run's CPU
 seconds at the rate of the attempt that finished it: Run.cpu_s) and peak RSS (the child's, which
@@ -70,6 +72,8 @@ Then the second look of experiments/second_look.json, in its order, as the budge
 """
 
 import argparse
+import glob
+import gzip
 import hashlib
 import json
 import os
@@ -79,6 +83,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -322,6 +327,7 @@ class RunFailed(Exception):
     pass
 
 
+KEEPING = threading.Lock()   # held while a thread of --jobs writes a records file
 RUNNING = set()         # the children of run_child now running (several with --jobs)
 STOPPING = []           # non-empty once SIGTERM came: the children are stopped, their attempts not counted
 
@@ -419,49 +425,69 @@ def link(target, name):
         os.symlink(relative, name)
 
 
-def keep(run_dir, record_dir):
-    """Copy what a finished run's table and figure read into record_dir (once): the run's numbers
-    outlive the checkout that ran it."""
-    if os.path.isfile(os.path.join(record_dir, "experiment.json")):
-        return
-    tmp = record_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+def read_run(run_dir, key):
+    """What a finished run's table and figure read, as one record: its experiment.json, config.json,
+    iter_XXXX/metrics.json (by iteration) and eval/iter_XXXX.jsonl rows (by step)."""
+    metrics, evals = {}, {}
     for entry in sorted(os.listdir(run_dir)):
-        source = os.path.join(run_dir, entry)
-        if entry == "config.json":
-            shutil.copy(source, tmp)
-        elif entry.startswith("iter_") and os.path.isfile(os.path.join(source, "metrics.json")):
-            os.makedirs(os.path.join(tmp, entry))
-            shutil.copy(os.path.join(source, "metrics.json"), os.path.join(tmp, entry))
-        elif entry == "eval":
-            shutil.copytree(source, os.path.join(tmp, entry))
-    shutil.copy(os.path.join(run_dir, "experiment.json"), tmp)   # last: a record with it is whole
-    os.replace(tmp, record_dir)
+        path = os.path.join(run_dir, entry, "metrics.json")
+        if entry.startswith("iter_") and os.path.isfile(path):
+            metrics[str(int(entry[5:]))] = json.load(open(path))
+    for entry in sorted(os.listdir(os.path.join(run_dir, "eval"))):
+        with open(os.path.join(run_dir, "eval", entry)) as f:
+            evals[str(int(entry[5:9]))] = [json.loads(line) for line in f if line.strip()]
+    return {"key": key, "experiment": json.load(open(os.path.join(run_dir, "experiment.json"))),
+            "config": json.load(open(os.path.join(run_dir, "config.json"))), "metrics": metrics, "evals": evals}
+
+
+def find_record(records, key):
+    """The record of run `key` in any claim's file of `records` (RECORDS/CLAIM.jsonl.gz), or None."""
+    start = json.dumps({"key": key})[:-1] + ","          # each line starts with its key
+    for path in sorted(glob.glob(os.path.join(records, "*.jsonl.gz"))):
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                if line.startswith(start):
+                    return json.loads(line)
+    return None
+
+
+def keep(record, records, claim):
+    """Add a finished run's record to records/CLAIM.jsonl.gz, the file of the claim that first asked for
+    it: one JSON line a run, sorted by key, gzip without a time stamp, so that the file's bytes depend
+    on its runs alone."""
+    path = os.path.join(records, f"{claim}.jsonl.gz")
+    with KEEPING:                                     # --jobs: one thread writes a file at a time
+        lines = {}
+        if os.path.isfile(path):
+            with gzip.open(path, "rt") as f:
+                lines = {json.loads(line)["key"]: line for line in f}
+        lines[record["key"]] = json.dumps(record) + "\n"
+        os.makedirs(records, exist_ok=True)
+        with open(path + ".tmp", "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
+            f.write("".join(lines[key] for key in sorted(lines)).encode())
+        os.replace(path + ".tmp", path)
 
 
 def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
-    """The record (experiment.json) of the finished run of `argv` (train.py flags, no --run-dir): found
-    (in RUNS/pool, or in `records` from an earlier checkout), finished with --resume, or run; linked
-    as RUNS/`name`, and its numbers kept in `records` (keep). Raises RunFailed."""
+    """The record (read_run) of the finished run of `argv` (train.py flags, no --run-dir): finished in
+    RUNS/pool, found in `records` (kept by an earlier checkout: nothing runs), finished with --resume,
+    or run; a run here is linked as RUNS/`name`, and its record kept in `records` (keep). Raises
+    RunFailed."""
     if STOPPING:                                      # SIGTERM came: start no other run
         raise RunFailed(f"{label}: stopped")
     argv = canonical(argv)
     key = hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:12]
     run_dir = os.path.join(runs_root, "pool", key)
     log, pid, attempts_path = run_dir + ".log", run_dir + ".pid", run_dir + ".attempts.json"
+    done = os.path.join(run_dir, "experiment.json")
+    found = None if os.path.isfile(done) or not records else find_record(records, key)
+    if found:
+        return found
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     link(run_dir, os.path.join(runs_root, name))
     link(log, os.path.join(runs_root, name + ".log"))
-    done = os.path.join(run_dir, "experiment.json")
-    record_dir = os.path.join(records, key) if records else None
-    if not os.path.isfile(done) and record_dir and os.path.isfile(os.path.join(record_dir, "experiment.json")):
-        shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.copytree(record_dir, run_dir)          # finished in an earlier checkout
     if os.path.isfile(done):
-        if record_dir:
-            keep(run_dir, record_dir)
-        return json.load(open(done))
+        return finished(run_dir, key, records)
     if os.path.isfile(pid):
         other = int(open(pid).read() or 0)
         try:
@@ -495,10 +521,17 @@ def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
               "peak_rss_mb": max(a["peak_rss_mb"] for a in attempts), "attempts": attempts}
     with open(done, "w") as f:
         json.dump(record, f, indent=1)
-    if record_dir:
-        keep(run_dir, record_dir)
     print(f"{label}: done in {wall / 60:.1f} min (CPU {cpu / 60:.1f} min), peak RSS {rss / 1024:.2f} GiB",
           flush=True)
+    return finished(run_dir, key, records)
+
+
+def finished(run_dir, key, records):
+    """The record of a run finished in run_dir, kept in `records` (when given) in the file of the claim
+    that first asked for the run."""
+    record = read_run(run_dir, key)
+    if records:
+        keep(record, records, record["experiment"]["first_asked_by"].split()[0])
     return record
 
 
@@ -559,11 +592,18 @@ def resolve(claim, name, setup):
                                       f"{name} sweep {claim.sweep}={value} seed 0") for value in sweep.values})
     rows = []
     for value in sweep.values:
-        run = Run(os.path.join(setup.runs_root, f"sweep_{claim.sweep}", f"{value}_seed0"), records[value])
+        run = Run(records[value])
         rows.append((value, run.metric(sweep.select), run.metric(ACC), run))
     pick = max(rows, key=lambda row: row[1])[0]
     arms = {arm: [f.replace("{" + claim.sweep + "}", pick) for f in flags] for arm, flags in claim.arms.items()}
     return arms, (sweep, rows, pick)
+
+
+def run_arms(name, claim, arms, jobs, setup):
+    """{(arm, seed): Run} of the claim's finished runs of `jobs` (arm, seed), run where not on record."""
+    records = run_all(setup, {(arm, seed): (setup.argv(claim, arms[arm], seed), f"{name}/{arm}_seed{seed}",
+                                            f"{name} {arm} seed {seed}") for arm, seed in jobs})
+    return {job: Run(record) for job, record in records.items()}
 
 
 def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
@@ -574,10 +614,8 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
     arm_seeds = {arm: max(seeds, (arm_seeds or {}).get(arm, 0)) for arm in arms}
     jobs = [(arm, seed) for seed in range(max(arm_seeds.values()))     # seed-major: every arm's seed 0 first
             for arm in arms if seed < arm_seeds[arm]]
-    records = run_all(setup, {(arm, seed): (setup.argv(claim, arms[arm], seed), f"{name}/{arm}_seed{seed}",
-                                            f"{name} {arm} seed {seed}") for arm, seed in jobs})
-    runs = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"), records[(arm, s)])
-                  for s in range(arm_seeds[arm])] for arm in arms}
+    done = run_arms(name, claim, arms, jobs, setup)
+    runs = {arm: [done[(arm, s)] for s in range(arm_seeds[arm])] for arm in arms}
     os.makedirs(setup.results, exist_ok=True)
     figure(name, claim, runs, os.path.join(setup.results, f"{name}.png"))
     table = summary_table(name, claim, arms, runs, sweep, setup)
@@ -596,20 +634,13 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
 # --- a run's numbers ---------------------------------------------------------------------------
 
 class Run:
-    """A finished run's iteration metrics, held-out answers and record (experiment.json)."""
+    """A finished run's iteration metrics, held-out answers and experiment.json, from its record."""
 
-    def __init__(self, run_dir, record):
-        self.dir, self.record = run_dir, record
-        self.config = json.load(open(os.path.join(run_dir, "config.json")))["config"]
-        self.iters = {}
-        for entry in sorted(os.listdir(run_dir)):
-            path = os.path.join(run_dir, entry, "metrics.json")
-            if entry.startswith("iter_") and os.path.isfile(path):
-                self.iters[int(entry[5:])] = json.load(open(path))
-        self.evals = {}
-        for entry in sorted(os.listdir(os.path.join(run_dir, "eval"))):
-            with open(os.path.join(run_dir, "eval", entry)) as f:
-                self.evals[int(entry[5:9])] = [json.loads(line) for line in f if line.strip()]
+    def __init__(self, record):
+        self.key, self.record = record["key"], record["experiment"]
+        self.config = record["config"]["config"]
+        self.iters = {int(i): m for i, m in record["metrics"].items()}
+        self.evals = {int(step): rows for step, rows in record["evals"].items()}
 
     def series(self, key):
         """{iteration: value} of a per-iteration key, or of the held-out accuracy: `acc` or `acc[D]`."""
@@ -751,7 +782,7 @@ def summary_table(name, claim, arms, runs, sweep, setup):
         spec, rows, pick = sweep
         lines += ["", f"Sweep on seed 0 ({' '.join(spec.flags)}), chosen by `{spec.select}`: " +
                   ", ".join(f"{v}: {s:.3f} (acc_auc {a:.3f})" for v, s, a, _ in rows) + f"; picked {pick}."]
-    every = {os.path.realpath(r.dir): r for rs in [*runs.values(), [row[3] for row in sweep[1]] if sweep else []]
+    every = {r.key: r for rs in [*runs.values(), [row[3] for row in sweep[1]] if sweep else []]
              for r in rs}
     own = [r for r in every.values() if r.record["first_asked_by"].startswith(name + " ")]
     wall_h = lambda rs: sum(r.record["wall_s"] for r in rs) / 3600                 # noqa: E731
@@ -791,9 +822,8 @@ def unclear_arms(name, setup, seeds):
     claim = CLAIMS[name]
     arms, _ = resolve(claim, name, setup)
     test = claim.tests[0]
-    values = {arm: [Run(os.path.join(setup.runs_root, name, f"{arm}_seed{s}"),
-                        json.load(open(os.path.join(setup.runs_root, name, f"{arm}_seed{s}", "experiment.json"))))
-                    .metric(test.metric) for s in range(seeds)] for arm in test.contrast}
+    done = run_arms(name, claim, arms, [(arm, s) for arm in test.contrast for s in range(seeds)], setup)
+    values = {arm: [done[(arm, s)].metric(test.metric) for s in range(seeds)] for arm in test.contrast}
     return {} if decide(test, values)[4] != stats.UNCLEAR else dict.fromkeys(test.contrast)
 
 

@@ -159,7 +159,8 @@ def hand_made_run(folder, accuracies, lens):
         rows += [{"completion": f"It is {2 if k < hard else 3}.", "answer": "2", "difficulty": "three_digit",
                   "ref_completion": "x"} for k in range(4)]
         (folder / "eval" / f"iter_{step:04d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return claims.Run(str(folder), {"peak_rss_mb": 2048, "cpu_s": 50.0, "iterations": len(lens)})
+    (folder / "experiment.json").write_text(json.dumps({"peak_rss_mb": 2048, "cpu_s": 50.0, "iterations": len(lens)}))
+    return claims.Run(claims.read_run(str(folder), "hand-made"))
 
 
 def test_run_metrics_on_a_hand_made_run(tmp_path):
@@ -298,10 +299,11 @@ def test_a_run_cut_short_is_finished_with_resume(tmp_path):
     assert code == 0 and (run_dir / "policy" / "train_state.json").is_file()
     first = (run_dir / "iter_0000" / "metrics.json").stat().st_mtime_ns
     record = claims.ensure_run(argv, str(tmp_path), "c0/arm_seed0", "c0 arm seed 0")
-    assert [a["from_iteration"] for a in record["attempts"]] == [1]
+    assert [a["from_iteration"] for a in record["experiment"]["attempts"]] == [1]
     assert (run_dir / "iter_0000" / "metrics.json").stat().st_mtime_ns == first        # not recomputed
     assert (run_dir / "iter_0002" / "metrics.json").is_file() and (run_dir / "eval" / "iter_0003.jsonl").is_file()
-    assert not (run_dir / "policy").exists() and record["cpu_s"] > 0
+    assert not (run_dir / "policy").exists() and record["experiment"]["cpu_s"] > 0
+    assert sorted(record["metrics"]) == ["0", "1", "2"] and sorted(record["evals"]) == ["0", "1", "2", "3"]
     assert os.path.realpath(tmp_path / "c0" / "arm_seed0") == str(run_dir)
     assert claims.ensure_run(argv, str(tmp_path), "c0/arm_seed0", "again") == record     # finished: not rerun
 
@@ -314,20 +316,23 @@ def test_a_finished_runs_record_serves_a_fresh_checkout_without_running_it(tmp_p
                              "--save-every", "1"])
     records = tmp_path / "records"
     record = claims.ensure_run(argv, str(tmp_path / "a"), "c0/arm_seed0", "c0 arm seed 0", records=str(records))
-    (kept,) = os.listdir(records)
-    files = sorted(os.path.relpath(os.path.join(d, f), records / kept) for d, _, fs in os.walk(records / kept)
-                   for f in fs)
-    assert files == ["config.json", "eval/iter_0000.jsonl", "eval/iter_0001.jsonl", "eval/iter_0002.jsonl",
-                     "experiment.json", "iter_0000/metrics.json", "iter_0001/metrics.json"]
+    assert os.listdir(records) == ["c0.jsonl.gz"]                   # the file of the claim that asked
+    assert list(record) == ["key", "experiment", "config", "metrics", "evals"]
+    assert sorted(record["metrics"]) == ["0", "1"] and sorted(record["evals"]) == ["0", "1", "2"]
+    kept = (records / "c0.jsonl.gz").read_bytes()
+    claims.keep(record, str(records), "c0")                           # kept again: the same bytes
+    assert (records / "c0.jsonl.gz").read_bytes() == kept
 
     def no_run(*_):
         raise AssertionError("a run kept in the records was run again")
 
     monkeypatch.setattr(claims, "run_child", no_run)
     assert claims.ensure_run(argv, str(tmp_path / "b"), "c0/arm_seed0", "fresh", records=str(records)) == record
-    before, after = (claims.Run(str(tmp_path / root / "c0" / "arm_seed0"), record) for root in "ab")
-    for metric in ("acc", "acc_auc", "mean(charts/reward_mean)", "cpu_s_per_iter"):
-        assert before.metric(metric) == after.metric(metric)
+    assert not (tmp_path / "b").exists()                              # nothing written for it
+    other = {**record, "key": "0" * 12}
+    claims.keep(other, str(records), "c0")                            # a second run: one line each, by key
+    assert claims.find_record(str(records), "0" * 12) == other and claims.find_record(str(records), "1") is None
+    assert claims.find_record(str(records), record["key"]) == record
 
 
 def test_sigterm_stops_every_run_of_jobs_2_and_counts_no_attempt(tmp_path):
@@ -376,3 +381,27 @@ def test_every_claim_runs_end_to_end_on_its_smoke_setting(name, smoke_out):
         run = smoke_out / "runs" / name / f"{arm}_seed0"
         assert (run / "iter_0001" / "metrics.json").is_file() and (run / "experiment.json").is_file()
         assert not (run / "policy").exists()
+
+
+# --- the tables on record ------------------------------------------------------------------------
+
+# C3, C4 and C9's runs ended before records were kept, and C8 is being rerun: their tables wait for runs
+# (docs/claims.md); each leaves this set in the commit that puts its records in.
+PENDING = {"c3", "c4", "c8", "c9"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="runs not yet on record"))
+                                  if n in PENDING else n for n in claims.CLAIMS])
+def test_every_claims_table_recomputes_from_its_records_alone(name, tmp_path, monkeypatch):
+    """A fresh checkout, with no run at all, rebuilds each claim's committed table byte for byte from
+    experiments/records; a run missing from them would have to train, and fails the test instead."""
+    def no_run(argv, *_):
+        raise AssertionError(f"{name}: a run not on record: {argv}")
+
+    monkeypatch.setattr(claims, "run_child", no_run)
+    monkeypatch.setattr(claims, "figure", lambda *_: None)          # the table is the record's; the PNG is drawn
+    args, setup = claims.parse_args([name])
+    setup.results = str(tmp_path)
+    claims.run_claim(name, args.seeds, setup)
+    committed = os.path.join(claims.RESULTS, f"{name}.md")
+    assert (tmp_path / f"{name}.md").read_text() == open(committed).read()
