@@ -77,7 +77,7 @@ OWNED = {"sample.py": {"model", "prompts", "out", "start", "seed", "ref_model", 
          "score.py": {"rollouts", "samples", "out"},
          "advantage.py": {"rewards", "out", "rollouts"},
          "update.py": {"model", "rollouts", "advantages", "out", "ref_model", "critic", "critic_out", "seed",
-                       "total_steps", "fresh_optimizer"}}
+                       "total_steps", "fresh_optimizer", "critic_only"}}
 FLAGS = settings.stage_flags({script: stage.build_parser() for script, stage in STAGES.items()}, OWNED)
 
 
@@ -163,9 +163,11 @@ def train(cfg, run_dir, resume, records):
             with runs.timed(perf, "perf/checkpoint_s"):
                 saver.wait()                              # a save in flight reads the weights it changes
             with runs.timed(perf, "perf/update_s"):
-                losses = update.train_policy(models.policy, optimizer, rollouts, adv["advantages"],
-                                             update_args, models.critic, adv.get("returns"),
-                                             models.ref if update_args.ref_logprobs != "rollouts" else None)
+                losses = {} if update_args.critic_only else update.train_policy(
+                    models.policy, optimizer, rollouts, adv["advantages"], update_args,
+                    models.ref if update_args.ref_logprobs != "rollouts" else None)
+                if models.critic:
+                    losses.update(update.train_critic(models.critic, rollouts, adv["returns"], update_args))
                 if models.sampler is not models.policy:   # FSDP: the full copy that samples follows
                     models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy),
                                                    strict=False)
@@ -184,7 +186,7 @@ def train(cfg, run_dir, resume, records):
             metrics.update(flags, **held_out_metrics)
             if flags["diversity/collapse"]:
                 warn(diagnostics.collapse_warning(flags, i))
-            bad_steps += losses["skipped_steps"]
+            bad_steps += losses.get("skipped_steps", 0) + losses.get("critic_skipped_steps", 0)
             metrics["diag/bad_steps_total"] = bad_steps
             if bad_steps > cfg.max_bad_steps:
                 raise StageError(f"{bad_steps} optimizer steps in this run had a non-finite loss or "
@@ -259,8 +261,8 @@ def stage_args(script, cfg, it_dir, slot, i, paths, commands):
                              out=policy_out, critic=critic,
                              ref_model=None if cfg.ref_logprobs == "rollouts" else paths["ref_model"],
                              critic_out=os.path.join(policy_out, "critic") if critic else None,
-                             seed=cfg.seed * 1_000_003 + i,
-                             total_steps=cfg.iterations * cfg.epochs * minibatches)}
+                             seed=cfg.seed * 1_000_003 + i, critic_only=i < cfg.critic_warmup,
+                             total_steps=(cfg.iterations - cfg.critic_warmup) * cfg.epochs * minibatches)}
     assert own[script].keys() <= OWNED[script]
     settings_of_run = {k: v for k, v in vars(cfg).items() if k not in OWNED[script]}
     argv = settings.argv(STAGES[script].build_parser(), {**settings_of_run, **own[script]})

@@ -15,8 +15,9 @@ Reads   --model DIR        the policy π_θ (π_old before the first step), and 
 Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (docs/formats.md)
 
 PPO with a critic (--critic DIR --critic-out DIR): the advantages are per token (advantage.py
---estimator gae) and, in the same minibatches, the critic V takes its own AdamW step (--critic-lr)
-on the clipped value loss, aggregated over tokens like the policy loss (--loss-agg):
+--estimator gae), and after the policy's steps the critic V takes its own (train_critic): --critic-epochs
+shuffles in minibatches of --minibatch-size, an AdamW step each at --critic-lr, on the clipped value
+loss aggregated over tokens like the policy loss (--loss-agg); --critic-only steps the critic alone:
 
     L_V = vf_coef · ½·max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, −ε_v, ε_v) − R_t)²)
 
@@ -60,6 +61,7 @@ Choices where the paper and docs/formats.md are silent:
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -135,99 +137,141 @@ def clipped_value_loss(values, old_values, returns, value_clip):
 # ----------------------------------------------------------------------------------------
 # The loop: μ epochs → minibatches (one AdamW step each) → micro-batches (one backward each)
 
-def train_policy(policy, optimizer, rollouts, advantages, args, critic=None, returns=None, ref_model=None):
+def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
     """μ epochs of clipped-objective AdamW steps on the rollouts; returns metrics.json's dict.
 
     log π_ref comes from `ref_model` by the very call that computes log π_θ, on the same rows and
     shapes, so at θ = θ_ref the two are equal to the bit (docs/numerics.md); without one, from the
-    rollouts' ref_logprobs. With a `critic` (optim.Critic, PPO), each minibatch also steps the critic
-    on the clipped value loss towards `returns`. Under torchrun each rank runs its share of every
-    minibatch (distributed.micro_batches) with the whole minibatch's normalisers: the one-process step."""
-    N, device = rollouts["group_ids"].shape[0], next(policy.parameters()).device
-    generator = torch.Generator().manual_seed(args.seed)
-    minibatches = distributed.row_slices(N, args.minibatch_size)
-    plan = [[order[mb] for mb in minibatches]                    # [M] rows of each step, epoch by epoch
-            for order in (torch.randperm(N, generator=generator) for _ in range(args.epochs))]
-    rollouts = training_rows(policy, rollouts, advantages, returns, args, plan[0])
-    models = [policy] + ([critic.model] if critic else [])
-    optimizers = [optimizer] + ([critic.optimizer] if critic else [])
+    rollouts' ref_logprobs. Under torchrun each rank runs its share of every minibatch
+    (distributed.micro_batches) with the whole minibatch's normalisers: the one-process step."""
+    device = next(policy.parameters()).device
+    plan = minibatch_plan(rollouts, args.epochs, args)
+    rollouts = training_rows(policy, rollouts, advantages, args, plan[0])
     log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level,
-                        ref_model is not None or "ref_logprobs" in rollouts, len(models))
+                        ref_model is not None or "ref_logprobs" in rollouts)
     skipped = 0
-    bar = tqdm(total=args.epochs * len(minibatches), desc="update", leave=False,
-               disable=None if distributed.is_main() else True)
-    with (modeling.gradient_checkpointing(models, args.gradient_checkpointing),
+    bar = tqdm(total=sum(map(len, plan)), desc="update", leave=False, disable=None if distributed.is_main() else True)
+    with (modeling.gradient_checkpointing([policy], args.gradient_checkpointing),
           lora.dropout(policy, args.lora_dropout, args.seed)):
         for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
             num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             log.start()
             passes = distributed.micro_batches(rows, args.micro_batch_size)   # this rank's share
             for k, (idx, weight) in enumerate(passes):
                 batch = {key: v[idx].to(device) for key, v in rollouts.items()}
-                mask, loss_mask = batch["completion_mask"], batch["loss_mask"]                  # [n, T]
-                inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask)
-                ref_logp = batch.get("ref_logprobs")                                           # [n, T]
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref_logp = modeling.completion_logprobs(ref_model, *inputs, args.temperature,
-                                                                share_prefix=args.prefix_sharing)  # log π_ref
                 with distributed.grad_sync(policy, k == len(passes) - 1):
-                    logp, entropy = modeling.completion_logprobs(
-                        policy, *inputs, args.temperature, with_entropy=True,
-                        entropy_grad=args.entropy_coef != 0, share_prefix=args.prefix_sharing)  # log π_θ [n, T]
-                    token_loss, terms = grpo_token_loss(
-                        logp, batch["old_logprobs"], ref_logp, batch["advantages"], mask,
-                        args.beta, args.clip_eps, args.clip_eps_high, args.dual_clip, args.ratio_level,
-                        args.kl_estimator, entropy, args.entropy_coef)                          # ℓ_t [n, T]
-                    loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
-                                     args.max_new_tokens)
+                    loss, terms = micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens)
                     (loss * weight).backward()   # DDP and FSDP average over ranks; × world: a sum
-                terms.update(logp=logp, ref_logp=ref_logp, entropy=entropy, policy_loss=aggregate(
-                    terms["pg_loss"].detach(), loss_mask, args.loss_agg, num_seqs, num_tokens,
-                    args.max_new_tokens))
-                if critic:
-                    with distributed.grad_sync(critic.model, k == len(passes) - 1):
-                        V = modeling.completion_values(critic.model, *inputs, args.prefix_sharing)  # V_t [n, T]
-                        value_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"],
-                                                                 args.value_clip)
-                        value_loss = aggregate(value_loss, loss_mask, args.loss_agg, num_seqs, num_tokens,
-                                               args.max_new_tokens)
-                        (args.vf_coef * value_loss * weight).backward()
-                    terms.update(value_loss=value_loss.detach(), value=V.detach(), value_clipped=clipped)
                 if weight:                    # weight 0: a padding pass, for the collectives alone
                     log.add(batch, loss, terms)
-            grad_norms = [optim.clip_gradients(model, args.max_grad_norm) for model in models]
+            grad_norm = optim.clip_gradients(policy, args.max_grad_norm)
             bar.update(1)
-            if not log.end_minibatch(grad_norms):      # NaN or inf would reach every weight
-                skipped = optim.skip_step(optimizers, skipped, grad_norms, log.sums["loss"],
-                                          args.max_bad_steps)
+            if not log.end_minibatch(grad_norm):      # NaN or inf would reach every weight
+                skipped = optim.skip_step(optimizer, skipped, grad_norm, log.sums["loss"], args.max_bad_steps)
                 continue
-            lr = optim.step(optimizers, args)
+            lr = optim.step(optimizer, args, args.lr)
             log.step(num_tokens, lr)
             bar.set_postfix(loss=f"{log.sums['loss']:.4f}")
     bar.close()
-    metrics = log.summary(skipped)
-    if critic:                           # how much of the returns' variance the sampled V_old explained
-        metrics["explained_variance"] = diagnostics.explained_variance(rollouts["values"], returns,
-                                                                       rollouts["completion_mask"])
     for warning in log.warnings():
         warn(warning)
-    return metrics
+    return log.summary(skipped)
 
 
-def training_rows(policy, rollouts, advantages, returns, args, first_epoch):
-    """The rollouts the update trains on, with their advantages (and the critic's `returns`):
-    loss_mask is completion_mask, less the truncated rows with --mask-truncated (DAPO's overlong
-    filtering). With --old-logprobs recompute, log π_old comes from the policy as it is now, in the
-    passes of the first epoch (`first_epoch`: its minibatches' rows), every rank's, so that the first
-    step's ratio is exactly 1."""
-    loss_mask = rollouts["completion_mask"]                                                # [N, T]
-    if args.mask_truncated:
-        loss_mask = loss_mask & ~rollouts["truncated"][:, None]
-    rollouts = {**rollouts, "loss_mask": loss_mask, "advantages": advantages,
-                **({"returns": returns} if returns is not None else {})}
+def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
+    """One micro-batch's share of the minibatch loss (with its gradient) and its per-token terms."""
+    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]                          # [n, T]
+    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask)
+    ref_logp = batch.get("ref_logprobs")                                                   # [n, T]
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_logp = modeling.completion_logprobs(ref_model, *inputs, args.temperature,
+                                                    share_prefix=args.prefix_sharing)          # log π_ref
+    logp, entropy = modeling.completion_logprobs(
+        policy, *inputs, args.temperature, with_entropy=True, entropy_grad=args.entropy_coef != 0,
+        share_prefix=args.prefix_sharing)                                                  # log π_θ [n, T]
+    token_loss, terms = grpo_token_loss(
+        logp, batch["old_logprobs"], ref_logp, batch["advantages"], mask, args.beta, args.clip_eps,
+        args.clip_eps_high, dual_clip=args.dual_clip, ratio_level=args.ratio_level,
+        kl_estimator=args.kl_estimator, entropy=entropy, entropy_coef=args.entropy_coef)    # ℓ_t [n, T]
+    loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    terms.update(logp=logp, ref_logp=ref_logp, entropy=entropy, policy_loss=aggregate(
+        terms["pg_loss"].detach(), loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens))
+    return loss, terms
+
+
+CRITIC_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "values", "returns")
+
+
+def train_critic(critic, rollouts, returns, args):
+    """PPO's critic V: --critic-epochs seeded shuffles of the rows in minibatches of --minibatch-size,
+    one AdamW step each (at --critic-lr) on the clipped value loss towards `returns`, aggregated over
+    tokens like the policy loss; returns its metrics: the means over its steps and the explained
+    variance of the sampled V_old (how much of the returns' variance the critic predicted)."""
+    device = next(critic.model.parameters()).device
+    plan = minibatch_plan(rollouts, args.critic_epochs, args)
+    rollouts = {**rollouts, "loss_mask": loss_mask(rollouts, args), "returns": returns}
+    sums, skipped = [], 0
+    with modeling.gradient_checkpointing([critic.model], args.gradient_checkpointing):
+        for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
+            num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
+            critic.optimizer.zero_grad(set_to_none=True)
+            step = dict.fromkeys(("value_loss", "value_clipped", "value_sum"), 0.0)
+            passes = distributed.micro_batches(rows, args.micro_batch_size)
+            for k, (idx, weight) in enumerate(passes):
+                batch = {key: rollouts[key][idx].to(device) for key in CRITIC_KEYS}
+                with distributed.grad_sync(critic.model, k == len(passes) - 1):
+                    V = modeling.completion_values(critic.model, *(batch[key] for key in CRITIC_KEYS[:4]),
+                                                   args.prefix_sharing)                             # V_t [n, T]
+                    value_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
+                    value_loss = aggregate(value_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens,
+                                           args.max_new_tokens)
+                    (args.vf_coef * value_loss * weight).backward()
+                if weight:                    # weight 0: a padding pass, for the collectives alone
+                    step["value_loss"] += value_loss.item()
+                    step["value_clipped"] += clipped[batch["loss_mask"]].sum().item()
+                    step["value_sum"] += torch.where(batch["loss_mask"], V.detach(), 0.0).sum().item()
+            step = distributed.all_reduce(step, "sum")
+            grad_norm = optim.clip_gradients(critic.model, args.max_grad_norm)
+            if not (math.isfinite(step["value_loss"]) and math.isfinite(grad_norm)):
+                skipped = optim.skip_step(critic.optimizer, skipped, grad_norm, step["value_loss"],
+                                          args.max_bad_steps)
+                continue
+            optim.step(critic.optimizer, args, args.critic_lr)
+            sums.append({"value_loss": step["value_loss"], "value_grad_norm": grad_norm,
+                         "value_clip_frac": step["value_clipped"] / num_tokens,
+                         "value_mean": step["value_sum"] / num_tokens})
+    metrics = {k: sum(s[k] for s in sums) / len(sums) if sums else None
+               for k in ("value_loss", "value_grad_norm", "value_clip_frac", "value_mean")}
+    return {**metrics, "critic_steps": len(sums), "critic_skipped_steps": skipped,
+            "explained_variance": diagnostics.explained_variance(rollouts["values"], returns,
+                                                                 rollouts["completion_mask"])}
+
+
+def minibatch_plan(rollouts, epochs, args):
+    """[epochs][M] the rows of each AdamW step: each epoch a shuffle (seeded by --seed) of the N rows
+    cut into minibatches of --minibatch-size. The policy's and the critic's plans share their first
+    epochs."""
+    N = rollouts["group_ids"].shape[0]
+    generator = torch.Generator().manual_seed(args.seed)
+    minibatches = distributed.row_slices(N, args.minibatch_size)
+    return [[order[mb] for mb in minibatches] for order in (torch.randperm(N, generator=generator)
+                                                           for _ in range(epochs))]
+
+
+def loss_mask(rollouts, args):
+    """The tokens the losses train on: completion_mask, less the truncated rows with --mask-truncated
+    (DAPO's overlong filtering). [N, T]"""
+    mask = rollouts["completion_mask"]
+    return mask & ~rollouts["truncated"][:, None] if args.mask_truncated else mask
+
+
+def training_rows(policy, rollouts, advantages, args, first_epoch):
+    """The rollouts the update trains on, with their advantages and loss_mask. With --old-logprobs
+    recompute, log π_old comes from the policy as it is now, in the passes of the first epoch
+    (`first_epoch`: its minibatches' rows), every rank's, so that the first step's ratio is exactly 1."""
+    rollouts = {**rollouts, "loss_mask": loss_mask(rollouts, args), "advantages": advantages}
     if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
         passes = [idx for rows in first_epoch for idx in distributed.every_rank_passes(rows, args.micro_batch_size)]
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature, 0,
@@ -329,6 +373,11 @@ def build_parser():
     p.add_argument("--critic-lr", type=float, default=None,
                    help="the critic's AdamW lr (default 10 × --lr: its head starts from zero and must fit\n"
                         "the returns within a few steps while the policy moves slowly; verl's defaults)")
+    p.add_argument("--critic-epochs", type=int, default=None,
+                   help="PPO: the critic's passes over the rollouts, each a shuffle cut into minibatches of\n"
+                        "--minibatch-size, one AdamW step each (default: --epochs; verl's critic.ppo_epochs)")
+    p.add_argument("--critic-only", action="store_true",
+                   help="PPO: step the critic alone; --out gets the policy unchanged (train.py --critic-warmup)")
     p.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
     p.add_argument("--value-clip", type=float, default=0.2,
                    help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
@@ -360,7 +409,8 @@ def build_parser():
 # What each setting may be, checked before anything is read or written (train.py's runs too).
 RULES = {"lr": at_least(0), "warmup_steps": at_least(0), "beta": at_least(0),
          "clip_eps": between(0, 1, lo_open=True), "clip_eps_high": above(0), "dual_clip": above(1),
-         "entropy_coef": at_least(0), "critic_lr": above(0), "vf_coef": at_least(0), "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0),
+         "entropy_coef": at_least(0), "critic_lr": above(0), "critic_epochs": at_least(1), "vf_coef": at_least(0),
+         "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0),
          "micro_batch_size": at_least(0), "max_grad_norm": above_or_inf(0), "weight_decay": at_least(0),
          "temperature": above(0), "max_new_tokens": at_least(1), "max_bad_steps": at_least(0),
          **lora.RULES, "total_steps": at_least(1)}    # last: train.py derives it from the others
@@ -380,8 +430,12 @@ def parse_args(argv=None):
                          "model not; give one")
     if (args.critic is None) != (args.critic_out is None):
         raise StageError("--critic and --critic-out go together: the critic read and the critic written")
+    if args.critic_only and not args.critic:
+        raise StageError("--critic-only steps the critic alone, and no --critic is given")
     if args.critic_lr is None:
         args.critic_lr = 10 * args.lr
+    if args.critic_epochs is None:
+        args.critic_epochs = args.epochs
     if args.prefix_sharing and args.gradient_checkpointing:
         warn_once("update: no prefix sharing under --gradient-checkpointing (transformers' checkpointed "
                   "layers take no KV cache); each row computes its own prompt")
@@ -422,7 +476,9 @@ def main(argv=None):
         warn(f"update: every advantage in {args.advantages} is 0, so the policy term moves nothing: the step "
              f"follows β·KL (0 while θ = θ_ref) and the entropy bonus alone")
     t0 = time.perf_counter()
-    metrics = train_policy(policy, optimizer, rollouts, advantages, args, critic, returns, ref_model or None)
+    metrics = {} if args.critic_only else train_policy(policy, optimizer, rollouts, advantages, args, ref_model or None)
+    if critic:
+        metrics.update(train_critic(critic, rollouts, returns, args))
     metrics["seconds"] = time.perf_counter() - t0
     checkpoints.save_policy(policy, tokenizer, optimizer, metrics, args, args.out)
     if critic:

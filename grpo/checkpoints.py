@@ -313,7 +313,7 @@ def log_iteration(writer, bar, it_dir, i, metrics, samples, group_size):
     files.write_json(os.path.join(it_dir, "metrics.json"), metrics)
     log_scalars(writer, metrics, i)
     writer.add_text("samples", samples_text(samples, group_size), i)
-    reward, kl = metrics["charts/reward_mean"], metrics["losses/kl"] or 0.0
+    reward, kl = metrics["charts/reward_mean"], metrics.get("losses/kl") or 0.0    # none in a critic warm-up
     bar.set_postfix(reward=f"{reward:.3f}", kl=f"{kl:.3g}")          # a LoRA run's KL is ~1e-5
     held_out = f"  held-out {metrics['eval/reward_mean'] or 0:.3f}" if "eval/reward_mean" in metrics else ""
     tqdm.write(f"iter {i:4d}  reward {reward:.3f}  frac_zero_std {metrics['charts/frac_zero_std']:.2f}  "

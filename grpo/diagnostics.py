@@ -98,7 +98,7 @@ def iteration_metrics(rollouts, rewards, components, skipped, completions, group
 # update.py's metrics.json keys that train.py logs outside losses/: the on-policy check (diag/) and how
 # well PPO's critic explains the returns (charts/).
 ON_POLICY_KEYS = ("logprob_diff_max", "logprob_diff_mean", "ref_logprob_diff_max", "ref_logprob_diff_mean",
-                  "outside_clip_on_policy", "skipped_steps")
+                  "outside_clip_on_policy", "skipped_steps", "critic_skipped_steps")
 CHART_KEYS = ("explained_variance",)
 
 

@@ -49,7 +49,7 @@ def scheduled_lr(args, step, lr=None):
     """The learning rate of AdamW's step `step` (0 for the first): a linear warm-up over W =
     --warmup-steps, lr·(step + 1)/W, so the first step already moves (transformers' schedulers start at
     0); then `lr` (default --lr), constant or decaying (linearly or as a half cosine) to 0 at
-    --total-steps. The critic follows the same schedule from --critic-lr."""
+    --total-steps. The critic follows the same schedule from --critic-lr, by its own step count."""
     lr = args.lr if lr is None else lr
     if step < args.warmup_steps:
         return lr * (step + 1) / args.warmup_steps
@@ -72,24 +72,23 @@ def clip_gradients(model, max_norm):
     return float(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
 
 
-def step(optimizers, args):
-    """One AdamW step of the policy (and of PPO's critic, at --critic-lr) with the update's scheduled
-    learning rate and --weight-decay; returns the policy's learning rate."""
-    n = adamw_steps(optimizers[0])
-    for optimizer, lr in zip(optimizers, (args.lr, args.critic_lr)):
-        for group in optimizer.param_groups:
-            group["lr"], group["weight_decay"] = scheduled_lr(args, n, lr), args.weight_decay
-        optimizer.step()
-    return scheduled_lr(args, n)
+def step(optimizer, args, lr):
+    """One AdamW step at the learning rate the schedule gives its step count (optimizer.safetensors
+    keeps it across resumes) from `lr` (the policy's --lr, or the critic's --critic-lr), with
+    --weight-decay; returns that learning rate."""
+    lr = scheduled_lr(args, adamw_steps(optimizer), lr)
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = lr, args.weight_decay
+    optimizer.step()
+    return lr
 
 
-def skip_step(optimizers, skipped, grad_norms, loss, max_bad_steps):
+def skip_step(optimizer, skipped, grad_norm, loss, max_bad_steps):
     """A non-finite loss or gradient would write NaN into every weight: drop the step, count it, and
     stop once more than max_bad_steps were dropped. Returns the new count."""
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     skipped += 1
-    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad norms {grad_norms}); "
+    warn(f"update: non-finite {'loss' if not math.isfinite(loss) else 'gradient'} (grad norm {grad_norm}); "
          f"optimizer step skipped ({skipped} so far)")
     if skipped > max_bad_steps:
         raise StageError(f"{skipped} optimizer steps had a non-finite loss or gradient, more than "

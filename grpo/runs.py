@@ -18,7 +18,7 @@ from grpo.settings import at_least
 
 # What each of the run's own settings may be (the stages' are checked by their own RULES).
 RULES = {"iterations": at_least(1), "eval_every": at_least(0), "eval_prompts": at_least(0),
-         "save_every": at_least(0), "max_sample_rounds": at_least(1)}
+         "save_every": at_least(0), "max_sample_rounds": at_least(1), "critic_warmup": at_least(0)}
 
 
 # The estimators that compare a completion with the others of its group (advantage.py refuses G = 1
@@ -38,6 +38,11 @@ def check_combinations(cfg):
     if (cfg.estimator == "gae") != ppo:
         raise StageError(f"--estimator {cfg.estimator} with --algo {cfg.algo}: gae needs the critic of "
                          f"--algo ppo, and ppo takes its advantages from gae")
+    if cfg.critic_warmup and not ppo:
+        raise StageError(f"--critic-warmup {cfg.critic_warmup} trains PPO's critic, and --algo is {cfg.algo}")
+    if cfg.critic_warmup >= cfg.iterations:
+        raise StageError(f"--critic-warmup {cfg.critic_warmup}: the policy would never move in --iterations "
+                         f"{cfg.iterations}; give 0 ≤ K < --iterations")
     if ppo and cfg.dynamic_sampling:
         raise StageError("--dynamic-sampling drops groups with equal rewards, which only GRPO needs; "
                          "use it with --algo grpo")
@@ -116,6 +121,9 @@ def parser(description, configs):
     run.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts evaluated")
     run.add_argument("--save-every", type=int, default=10,
                      help="save policy/ (the resume point) and keep checkpoints/iter_XXXX this often")
+    run.add_argument("--critic-warmup", type=int, default=0, metavar="K",
+                     help="PPO: the first K iterations train the critic alone (update.py --critic-only), the\n"
+                          "policy frozen, so its first steps have a baseline that learned (verl's critic_warmup)")
     run.add_argument("--critic-init", default="",
                      help="PPO: the critic's transformer (folder or Hub id); '' = the initial policy's")
     run.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,

@@ -14,14 +14,12 @@ import torch
 
 from grpo import diagnostics, distributed
 
-# metrics.json's per-token means -> the term of update.grpo_token_loss (or of the critic) they average.
+# metrics.json's per-token means -> the term of update.grpo_token_loss they average.
 TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped_low",
                "clip_frac_high": "clipped_high", "clip_frac_dual": "dual_clipped", "ratio_mean": "ratio",
                "entropy": "entropy"}
-VALUE_TOKEN_MEANS = {"value_clip_frac": "value_clipped", "value_mean": "value"}       # PPO's critic
 SUMS = ("loss", "policy_loss", *TOKEN_MEANS, "logprob_diff", "ref_logprob_diff", "completion_tokens",
-        "signal_clipped", "signal_tokens", "outside_clip", "checked",
-        "value_loss", *VALUE_TOKEN_MEANS)
+        "signal_clipped", "signal_tokens", "outside_clip", "checked")
 MAXES = ("ratio", "logprob_diff", "ref_logprob_diff")
 
 
@@ -29,9 +27,9 @@ class UpdateMetrics:
     """The numbers of one update: start() a minibatch, add() each micro-batch, end_minibatch() with the
     gradient norms, step() after each AdamW step, summary() at the end."""
 
-    def __init__(self, clip_eps, clip_eps_high, ratio_level, has_ref, num_models):
+    def __init__(self, clip_eps, clip_eps_high, ratio_level, has_ref):
         self.clip_eps, self.clip_eps_high, self.ratio_level = clip_eps, clip_eps_high, ratio_level
-        self.has_ref, self.num_models = has_ref, num_models
+        self.has_ref = has_ref
         self.steps, self.on_policy, self.signal = [], None, []
 
     def start(self):
@@ -39,16 +37,14 @@ class UpdateMetrics:
 
     @torch.no_grad()
     def add(self, batch, loss, terms):
-        """A micro-batch's loss and per-token terms (grpo_token_loss's, with logp, entropy,
-        policy_loss, and the critic's value_loss, value, value_clipped for PPO)."""
+        """A micro-batch's loss and per-token terms (grpo_token_loss's, with logp, ref_logp, entropy
+        and policy_loss)."""
         sums, maxes = self.sums, self.maxes
         mask, loss_mask = batch["completion_mask"], batch["loss_mask"]         # [n, T]
         sums["loss"] += loss.item()
         sums["policy_loss"] += terms["policy_loss"].item()
-        token_means = {**TOKEN_MEANS, **VALUE_TOKEN_MEANS} if "value" in terms else TOKEN_MEANS
-        for name, term in token_means.items():
+        for name, term in TOKEN_MEANS.items():
             sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
-        sums["value_loss"] += terms["value_loss"].item() if "value" in terms else 0.0
         A = batch["advantages"]                                                   # [n] or [n, T]
         signal = loss_mask & ((A != 0)[:, None] if A.dim() == 1 else (A != 0))     # [n, T] tokens that can clip
         sums["signal_tokens"] += signal.sum().item()
@@ -68,11 +64,11 @@ class UpdateMetrics:
         sums["outside_clip"] += (outside & checked).sum().item()
         sums["checked"] += checked.sum().item()
 
-    def end_minibatch(self, grad_norms):
+    def end_minibatch(self, grad_norm):
         """Combine the ranks' sums; False when the loss or a gradient is not finite (no step then)."""
         self.sums = distributed.all_reduce(self.sums, "sum")
         self.maxes = distributed.all_reduce(self.maxes, "max")
-        self.grad_norms = grad_norms
+        self.grad_norm = grad_norm
         if self.on_policy is None:
             tokens, ref = self.sums["completion_tokens"], self.has_ref
             self.on_policy = {"logprob_diff_max": self.maxes["logprob_diff"],
@@ -80,24 +76,20 @@ class UpdateMetrics:
                               "ref_logprob_diff_max": self.maxes["ref_logprob_diff"] if ref else None,
                               "ref_logprob_diff_mean": self.sums["ref_logprob_diff"] / tokens if ref else None,
                               "outside_clip_on_policy": self.sums["outside_clip"] / self.sums["checked"]}
-        return all(map(math.isfinite, [*grad_norms, self.sums["loss"], self.sums["value_loss"]]))
+        return math.isfinite(grad_norm) and math.isfinite(self.sums["loss"])
 
     def step(self, num_tokens, lr):
-        self.steps.append(self._step_metrics(self.sums, self.maxes, self.grad_norms, num_tokens, lr))
+        self.steps.append(self._step_metrics(self.sums, self.maxes, self.grad_norm, num_tokens, lr))
         self.signal.append((self.sums["signal_clipped"], self.sums["signal_tokens"]))
 
-    def _step_metrics(self, sums, maxes, grad_norms, num_tokens, lr):
-        """One optimizer step's metrics, in metrics.json's names (kl is null without a reference); with
-        a critic (a second grad norm), its value_* metrics too."""
+    def _step_metrics(self, sums, maxes, grad_norm, num_tokens, lr):
+        """One optimizer step's metrics, in metrics.json's names (kl is null without a reference)."""
         per_token = {name: sums[name] / num_tokens for name in TOKEN_MEANS}
         if not self.has_ref:
             per_token["kl"] = per_token["kl_penalty"] = None
         metrics = {"loss": sums["loss"], "policy_loss": sums["policy_loss"], **per_token,
                    "clip_frac": per_token["clip_frac_low"] + per_token["clip_frac_high"],
-                   "ratio_max": maxes["ratio"], "grad_norm": grad_norms[0], "tokens": num_tokens, "lr": lr}
-        if len(grad_norms) > 1:
-            metrics.update(value_loss=sums["value_loss"], value_grad_norm=grad_norms[1],
-                           **{name: sums[name] / num_tokens for name in VALUE_TOKEN_MEANS})
+                   "ratio_max": maxes["ratio"], "grad_norm": grad_norm, "tokens": num_tokens, "lr": lr}
         return metrics
 
     def summary(self, skipped):
@@ -111,7 +103,7 @@ class UpdateMetrics:
                      for k, v in steps[0].items()}
         else:
             placeholder = self._step_metrics(dict.fromkeys(SUMS, 0.0), dict.fromkeys(MAXES, 0.0),
-                                             [0.0] * self.num_models, 1, 0.0)
+                                             0.0, 1, 0.0)
             means = dict.fromkeys(placeholder)
         later = self.signal[1:]                       # the first step's ratio is 1: nothing can clip there
         clipped, tokens = sum(c for c, _ in later), sum(t for _, t in later)

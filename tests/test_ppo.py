@@ -274,6 +274,58 @@ def test_update_trains_policy_and_critic_and_the_value_loss_falls(ppo_iteration,
     assert first["explained_variance"] == pytest.approx(expected)
 
 
+def test_critic_epochs_and_critic_only(ppo_iteration, models, critic, tmp_path):
+    """--critic-epochs E gives the critic E × minibatches steps of its own; --critic-only writes the
+    policy bit for bit as it came and moves the critic; the critic's first epoch is the policy's plan."""
+    it = ppo_iteration
+    base = ["--rollouts", it / "rollouts.safetensors", "--advantages", it / "advantages.safetensors",
+            "--critic", critic, "--lr", 1e-4, "--critic-lr", 3e-4, "--minibatch-size", 4, "--value-clip", 10]
+    r = cli("update.py", "--model", models["policy"], "--out", tmp_path / "p", "--critic-out", tmp_path / "c",
+            "--critic-epochs", 3, *base)
+    assert r.code == 0, r.err
+    m = json.load(open(tmp_path / "p" / "metrics.json"))
+    assert (m["optimizer_steps"], m["critic_steps"], m["critic_skipped_steps"]) == (2, 6, 0)     # N = 8 rows
+    r = cli("update.py", "--model", models["policy"], "--out", tmp_path / "q", "--critic-out", tmp_path / "d",
+            "--critic-only", *base)
+    assert r.code == 0, r.err
+    m = json.load(open(tmp_path / "q" / "metrics.json"))
+    assert m["critic_steps"] == 2 and "policy_loss" not in m and "optimizer_steps" not in m
+    policy_before, policy_after = load_file(os.path.join(models["policy"], "model.safetensors")), \
+        load_file(tmp_path / "q" / "model.safetensors")
+    assert all(torch.equal(policy_before[k], policy_after[k]) for k in policy_before)
+    critic_before, critic_after = load_file(os.path.join(critic, "model.safetensors")), \
+        load_file(tmp_path / "d" / "model.safetensors")
+    assert any(not torch.equal(critic_before[k], critic_after[k]) for k in critic_before)
+    # The critic's steps do not depend on the policy's: --critic-only's critic is, to the bit, that of a
+    # whole update with --critic-epochs 1.
+    r = cli("update.py", "--model", models["policy"], "--out", tmp_path / "p1", "--critic-out", tmp_path / "c1",
+            "--critic-epochs", 1, *base)
+    assert r.code == 0, r.err
+    critic_one = load_file(tmp_path / "c1" / "model.safetensors")
+    assert all(torch.equal(critic_one[k], critic_after[k]) for k in critic_one)
+    assert_user_error(cli("update.py", "--model", models["policy"], "--out", tmp_path / "x", *base[:4],
+                          "--critic-only"), "--critic-only")
+
+
+def test_train_critic_warmup_freezes_the_policy_for_k_iterations(tmp_path):
+    run = tmp_path / "w"
+    r = cli("train.py", "--config", "tiny", "--algo", "ppo", "--iterations", 3, "--critic-warmup", 2,
+            "--eval-every", 0, "--save-every", 1, "--run-dir", run, "--num-prompts", 2, "--group-size", 2,
+            "--max-new-tokens", 6)
+    assert r.code == 0, r.err
+    m = metrics_of(run, 3)
+    for i in (0, 1):                         # the critic's alone: no policy step, the critic's steps
+        assert "losses/policy_loss" not in m[i] and m[i]["losses/critic_steps"] == 1, i
+    assert m[2]["losses/optimizer_steps"] == 1 and m[2]["losses/critic_steps"] == 1
+    assert m[2]["diag/ref_logprob_diff_max"] == 0.0        # the policy had not moved before iteration 2
+    assert "--critic-only" in (run / "iter_0001" / "replay.sh").read_text()
+    assert "--critic-only" not in (run / "iter_0002" / "replay.sh").read_text()
+    assert_user_error(cli("train.py", "--config", "tiny", "--critic-warmup", 1, "--run-dir", tmp_path / "g"),
+                      "--critic-warmup")
+    assert_user_error(cli("train.py", "--config", "tiny", "--algo", "ppo", "--iterations", 2, "--critic-warmup", 2,
+                          "--run-dir", tmp_path / "h"), "--critic-warmup")
+
+
 def test_update_critic_needs_its_files_and_its_output(ppo_iteration, models, critic, rollout_dir, tmp_path):
     it = ppo_iteration
     out = tmp_path / "p"

@@ -72,7 +72,7 @@ def test_sample_prefills_each_prompt_once_and_draws_what_the_unshared_path_draws
 
 
 def recorded_steps(policy, rollouts, advantages, argv, critic=None, returns=None, monkeypatch=None):
-    """update.train_policy with plain SGD (a step linear in the gradient, so that two runs whose gradients
+    """update.train_policy (and train_critic) with plain SGD (a step linear in the gradient, so that two runs whose gradients
     differ by rounding stay as close for the next step); returns each step's gradients and the metrics."""
     args = update.parse_args(["--model", "m", "--rollouts", "r", "--advantages", "a", "--out", "o", *map(str, argv)])
     args.temperature, args.max_new_tokens = 0.7, 40
@@ -86,7 +86,9 @@ def recorded_steps(policy, rollouts, advantages, argv, critic=None, returns=None
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
     if critic is not None:
         critic = optim.Critic(critic, torch.optim.SGD(critic.parameters(), lr=args.critic_lr))
-    metrics = update.train_policy(policy, optimizer, rollouts, advantages, args, critic, returns)
+    metrics = update.train_policy(policy, optimizer, rollouts, advantages, args)
+    if critic is not None:
+        metrics.update(update.train_critic(critic, rollouts, returns, args))
     return grads, metrics
 
 
@@ -143,7 +145,7 @@ def test_ppo_critic_shares_the_prefix_too(models, critic, rollout_dir, monkeypat
         grads, metrics = recorded_steps(policy, rollouts, advantages, argv + extra, value_model, returns, monkeypatch)
         runs.append((grads, metrics, shapes))
     (shared, m_shared, s_shared), (plain, m_plain, s_plain) = runs
-    assert len(shared) == len(plain) == 4                     # policy, critic, policy, critic
+    assert len(shared) == len(plain) == 4                     # the policy's two steps, then the critic's
     for step_shared, step_plain in zip(shared, plain):
         assert max_relative_difference(step_shared, step_plain) < 1e-5
     for key in ("value_loss", "value_mean", "value_clip_frac", "value_grad_norm", "loss"):
