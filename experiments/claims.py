@@ -22,7 +22,9 @@ the other, else "not distinguishable at this scale". The first test is the claim
 table writes every test's interval and verdict, computed here, never by hand. More seeds for a test
 not distinguishable at 3 are a second look at the same data: experiments/second_look.json states,
 before its runs, which tests get how many seeds and the rule that keeps the two looks' error at
-0.05 (--max-seeds, the uncorrected extra seeds of `all`, is off by default).
+0.05; --second-look runs them, and the table reads the pre-stated tests on the first --seeds seeds
+and both looks in a section of its own (second_look). --max-seeds, the extra seeds of `all`, is off
+by default.
 
 Metrics of a run (METRIC in a test or a table): `acc` the held-out accuracy at the end (exact answer,
 greedy, rescored from eval/iter_XXXX.jsonl, so a shaped or noisy training reward does not enter it);
@@ -96,6 +98,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 RUNS = os.path.join(ROOT, "experiments", "runs")
 RECORDS = os.path.join(ROOT, "experiments", "records")     # finished runs' numbers, committed (docstring)
+SECOND_LOOK = os.path.join(ROOT, "experiments", "second_look.json")     # the second look's plan
 ITERATIONS, EVAL_EVERY, SAVE_EVERY = 20, 5, 5
 # Torch threads per run. One: on this 2-core machine shared with other work, two threads spin against
 # the other processes' (20 decode steps of the default model, niced under a load of 6–9: 17 s on one
@@ -636,7 +639,8 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
     runs = {arm: [done[(arm, s)] for s in range(arm_seeds[arm])] for arm in arms}
     os.makedirs(setup.results, exist_ok=True)
     figure(name, claim, runs, os.path.join(setup.results, f"{name}.png"))
-    table = summary_table(name, claim, arms, runs, sweep, setup)
+    plan = json.load(open(SECOND_LOOK))
+    table = summary_table(name, claim, arms, runs, sweep, setup, first=seeds, plan=plan)
     with open(os.path.join(setup.results, f"{name}.md"), "w") as f:
         f.write(table)
     if commit:                  # the table, the figure and every finished run's record so far
@@ -726,10 +730,46 @@ def accuracy(rows, difficulty=None):
 
 # --- the decision, the table and the figure ----------------------------------------------------
 
-def decide(test, values):
+def decide(test, values, level=0.95):
     """(estimate, low, high, df, verdict) of a test; values: {arm: [per-seed metric]}."""
-    est, low, high, df = stats.welch_interval(values, test.contrast, test.offset)
+    est, low, high, df = stats.welch_interval(values, test.contrast, test.offset, level)
     return est, low, high, df, stats.verdict(low, high, test.direction)
+
+
+def second_look(name, claim, runs, first, plan):
+    """The lines of the planned second look (experiments/second_look.json) of the claim's tests whose
+    arms now have more than the `first` look's seeds: each test read on the first seeds and on all,
+    both at the plan's level, the verdict (the first look's where it decides, else the combined
+    one's), and Holm over the claim's tests at the same α, on each test's last look. [] without one."""
+    planned = plan["tests"].get(name, {}).get("tests", [])
+    looked = [i for i in planned if any(len(runs[arm]) > first for arm in claim.tests[i].contrast)]
+    if not looked:
+        return []
+    alpha = plan["rule"]["alpha_per_look"]
+    level = 1 - alpha
+    lines = ["", f"## The second look (experiments/second_look.json, stated before its runs)", "",
+             f"| test | first look: seeds 0–{first - 1}, {level:.1%} interval | verdict | combined: every seed, "
+             f"{level:.1%} interval | verdict | the test's verdict | family-wise (Holm, α = {alpha:g}) |",
+             "|---|---|---|---|---|---|---|"]
+    pvalues, rows = [], {}
+    for i, test in enumerate(claim.tests):
+        combined = {arm: [r.metric(test.metric) for r in runs[arm]] for arm in test.contrast}
+        first_look = {arm: values[:first] for arm, values in combined.items()}
+        pvalues.append(stats.welch_p(combined if i in looked else first_look, test.contrast, test.offset))
+        if i in looked:
+            rows[i] = decide(test, first_look, level), decide(test, combined, level), combined
+    rejected = stats.holm(pvalues, alpha)
+    for i, (one, both, combined) in rows.items():
+        test = claim.tests[i]
+        final = one[4] if one[4] != stats.UNCLEAR else both[4]
+        seeds = "/".join(str(len(v)) for v in combined.values())
+        lines.append(f"| {test.text} | {one[0]:+.3f} [{one[1]:+.3f}, {one[2]:+.3f}] | {one[4]} | {both[0]:+.3f} "
+                     f"[{both[1]:+.3f}, {both[2]:+.3f}] ({seeds} seeds) | {both[4]} | **{final}** | "
+                     f"{stats.family_verdict(rejected[i], both[0], test.direction)} |")
+    lines += ["", f"Two looks at α = {alpha:g} each, so that by the union bound a test whose true contrast is 0 is "
+              f"decided by either with chance at most {2 * alpha:g}. The pre-stated tests above are the first look "
+              f"at 95%, on seeds 0–{first - 1} of every arm."]
+    return lines
 
 
 def contrast_text(test):
@@ -750,9 +790,10 @@ def mean_std(values, digits=3):
     return f"{values.mean():.{digits}f} ± {std:.{digits}f}"
 
 
-def summary_table(name, claim, arms, runs, sweep, setup):
-    """The claim's markdown: its pre-stated tests with intervals and verdicts, then per arm the metrics
-    (mean ± std over seeds), times and memory, then the compute."""
+def summary_table(name, claim, arms, runs, sweep, setup, first=None, plan=None):
+    """The claim's markdown: its pre-stated tests with intervals and verdicts on the first `first` seeds
+    of every arm (default: all), the planned second look of `plan` (second_look.json) where arms have
+    more, then per arm the metrics (mean ± std over seeds), times and memory, then the compute."""
     base = " ".join(setup.base) or "the default job"
     K = setup.iterations or claim.iterations
     seeds = sorted({len(rs) for rs in runs.values()})
@@ -766,7 +807,9 @@ def summary_table(name, claim, arms, runs, sweep, setup):
              "| seeds an arm to decide |",
              "|---|---|---|---|---|---|---|---|---|"]
     projected = False                                 # some test's seeds to decide were projected
-    values_of = [{arm: [r.metric(test.metric) for r in runs[arm]] for arm in test.contrast} for test in claim.tests]
+    first = first or max(len(rs) for rs in runs.values())
+    values_of = [{arm: [r.metric(test.metric) for r in runs[arm][:first]] for arm in test.contrast}
+                 for test in claim.tests]
     rejected = stats.holm([stats.welch_p(v, t.contrast, t.offset) for t, v in zip(claim.tests, values_of)])
     for test, values, family in zip(claim.tests, values_of, rejected):
         est, low, high, df, verdict = decide(test, values)
@@ -787,6 +830,7 @@ def summary_table(name, claim, arms, runs, sweep, setup):
                   "interval would exclude 0 (on the estimate's side, which may not be the predicted one) if "
                   "the estimate and each arm's std stayed as they are (experiments/stats.py:seeds_to_decide): "
                   "a projection, not a run."]
+    lines += second_look(name, claim, runs, first, plan or {"tests": {}})
     metrics = ["acc", "acc_auc", *claim.table]
     lines += ["", "## Arms (mean ± std over seeds)", "",
               "| arm | flags | seeds | " + " | ".join(f"`{m}`" for m in metrics) +
@@ -884,6 +928,9 @@ def parse_args(argv=None):
                    help="with all: seeds for the arms of a first test still unclear, read at the first look's "
                         "level, so an uncorrected second look (default 0: off; experiments/second_look.json "
                         "is the planned one)")
+    p.add_argument("--second-look", action="store_true",
+                   help="the planned second look: the arms of experiments/second_look.json's tests of each\n"
+                        "claim named get its seeds; the table reads both looks at its level")
     p.add_argument("--budget-hours", type=float, default=8.0,
                    help="with all: no more seeds once the finished runs took this much wall time")
     p.add_argument("--iterations", type=int, default=None, help="K of every run (default: each claim's)")
@@ -923,9 +970,11 @@ def main(argv=None):
     os.chdir(ROOT)
     names = ORDER if "all" in args.claims else list(dict.fromkeys(args.claims))
     failed = []
+    plan = json.load(open(SECOND_LOOK))["tests"] if args.second_look else {}
     for name in names:
+        more = dict.fromkeys(plan[name]["arms"], plan[name]["seeds"]) if name in plan else None
         try:
-            print(run_claim(name, args.seeds, setup, commit=args.commit), flush=True)
+            print(run_claim(name, args.seeds, setup, more, commit=args.commit), flush=True)
         except RunFailed as e:
             if len(names) == 1:
                 raise SystemExit(str(e))

@@ -406,3 +406,31 @@ def test_every_claims_table_recomputes_from_its_records_alone(name, tmp_path, mo
     claims.run_claim(name, args.seeds, setup)
     committed = os.path.join(claims.RESULTS, f"{name}.md")
     assert (tmp_path / f"{name}.md").read_text() == open(committed).read()
+
+
+def test_the_second_look_reads_both_looks_at_the_plans_level():
+    """A test of the plan whose arms have 6 seeds: the first look (seeds 0–2) and the combined one
+    (all 6), each at 97.5%, as stats computes them; the verdict is the combined one's where the first
+    does not decide; Holm at α 0.025 over the claim's tests. No row where no arm has more seeds."""
+    def run(x):
+        return claims.Run({"key": str(x), "experiment": {}, "config": {"config": {}},
+                           "metrics": {"0": {"k": x}}, "evals": {}})
+
+    claim = claims.Claim("c", "d", {"a": [], "b": []},
+                         [claims.Test("a above b", "mean(k)", {"a": 1, "b": -1}, ">"),
+                          claims.Test("a above 0", "mean(k)", {"a": 1}, ">")], [], [])
+    a, b = [1.0, 1.3, 0.7, 1.1, 0.9, 1.2], [0.2, 0.6, 0.1, 0.3, 0.0, 0.4]
+    runs = {"a": [run(x) for x in a], "b": [run(x) for x in b]}
+    plan = {"rule": {"alpha_per_look": 0.025}, "tests": {"c": {"tests": [0], "arms": ["a", "b"], "seeds": 6}}}
+    lines = claims.second_look("c", claim, runs, 3, plan)
+    (row,) = [line for line in lines if line.startswith("| a above b")]
+    cells = row.split(" | ")
+    est, low, high, _ = stats.welch_interval({"a": a[:3], "b": b[:3]}, {"a": 1, "b": -1}, 0, 0.975)
+    assert cells[1] == f"{est:+.3f} [{low:+.3f}, {high:+.3f}]" and cells[2] == stats.UNCLEAR
+    est, low, high, _ = stats.welch_interval({"a": a, "b": b}, {"a": 1, "b": -1}, 0, 0.975)
+    assert cells[3] == f"{est:+.3f} [{low:+.3f}, {high:+.3f}] (6/6 seeds)" and low > 0
+    assert cells[4] == stats.REPRODUCED and cells[5] == f"**{stats.REPRODUCED}**"
+    p = [stats.welch_p({"a": a, "b": b}, {"a": 1, "b": -1}), stats.welch_p({"a": a[:3]}, {"a": 1})]
+    assert cells[6].rstrip(" |") == stats.family_verdict(stats.holm(p, 0.025)[0], est, ">")
+    assert claims.second_look("c", claim, {"a": runs["a"][:3], "b": runs["b"][:3]}, 3, plan) == []
+    assert claims.second_look("x", claim, runs, 3, plan) == []
