@@ -21,7 +21,7 @@ Conventions (docs/formats.md):
   [B, G] and normalised along G only, never over the batch.
 - std is Bessel-corrected (divides by G − 1, torch.std's default), so G = 1 is an error.
 - A group whose rewards are all equal carries no signal and gets exactly 0, decided explicitly
-  by diagnostics.no_signal_groups: a spread max − min of at most 4 float32 ulps of max|r|, so
+  by groups.no_signal_groups: a spread max − min of at most 4 float32 ulps of max|r|, so
   float32 residue (0.1 + 0.2 vs 0.3) does not turn into ±0.7 advantages, while rewards 1e6 and
   1e6 + 1 still differ. The fraction of such groups is printed (frac_zero_std).
 - Arithmetic is in float64; the file holds float32.
@@ -39,7 +39,7 @@ import torch
 
 from grpo import files, outputs, provenance, settings
 from grpo.cli import ArgumentParser, StageError, run_cli
-from grpo.diagnostics import group_mean_std, no_signal_groups
+from grpo.groups import group_mean_std, no_signal_groups
 from grpo.settings import at_least, between
 
 

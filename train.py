@@ -36,8 +36,8 @@ import advantage
 import sample
 import score
 import update
-from grpo import (checkpoints, diagnostics, distributed, evaluation, files, outputs, provenance, runs, settings,
-                  tasks)
+from grpo import (checkpoints, diagnostics, distributed, evaluation, files, outputs, provenance, run_log, runs,
+                  settings, tasks)
 from grpo.cli import StageError, run_cli, warn
 from grpo.rollouts import dapo_dynamic_sampling
 
@@ -178,7 +178,7 @@ def train(cfg, run_dir, resume, records):
                 **diagnostics.update_metrics(losses), **perf,
                 "perf/tokens_per_s": lengths.sum().item() / perf["perf/sample_s"]}
             if main and policy_path != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept
-                checkpoints.write_replay(it_dir, i, commands)
+                run_log.write_replay(it_dir, i, commands)
             if main and i == 0 and cfg.algo == "grpo":
                 spread = diagnostics.reward_spread(rewards, cfg.group_size, skipped)
                 tqdm.write("\n".join(diagnostics.spread_report(spread, cfg.group_size, cfg.estimator)))
@@ -201,13 +201,13 @@ def train(cfg, run_dir, resume, records):
                     saved_at = i + 1
             metrics["perf/iteration_s"] = time.perf_counter() - t0
             if main:
-                checkpoints.log_iteration(writer, bar, it_dir, i, metrics, samples, cfg.group_size)
+                run_log.log_iteration(writer, bar, it_dir, i, metrics, samples, cfg.group_size)
             previous = metrics
     finally:
         saver.wait()                          # no save is left half-written, whatever ended the loop
     if main and cfg.eval_every:
         final = held_out_eval(models.sampler, models.ref, models.base, cfg.iterations)
-        checkpoints.log_scalars(writer, final, cfg.iterations)
+        run_log.log_scalars(writer, final, cfg.iterations)
         print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean'] or 0:.3f}, "
               f"reference {final['eval/ref_reward_mean'] or 0:.3f} ({final['eval/num_prompts']} prompts, "
               f"greedy, {final['eval/skipped_rewards']} without a reward)")

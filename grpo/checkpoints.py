@@ -1,11 +1,11 @@
-"""Checkpoints, AdamW's state as safetensors, and train.py's run folder (save, restore, keep, replay).
+"""Checkpoints, AdamW's state as safetensors, and train.py's resume points (save, restore, keep).
 
     policy/                  update.py's output, plus train_state.json (the resume point)
     policy/critic/           PPO's critic and its AdamW state (--algo ppo), saved with the policy
     critic_init/             PPO's critic before the first step
     checkpoints/iter_XXXX/   the policy that sampled iteration XXXX, as hard links into a save
-    iter_XXXX/replay.sh      the iteration's four stages as commands, for re-running one alone
-    iter_XXXX/metrics.json   the iteration's numbers, written last, and tb/ (TensorBoard)
+
+(iter_XXXX/metrics.json, replay.sh and tb/ are grpo/run_log.py's.)
 
 A checkpoint folder is written beside its place and swapped in whole (files.replace_dir), so a
 kill leaves the old checkpoint or the new one. Under torchrun every rank calls save_policy (FSDP
@@ -14,14 +14,12 @@ shards are gathered collectively) and rank 0 writes; the run-folder functions ar
 
 import glob
 import os
-import shlex
 import shutil
 import threading
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from grpo import distributed, files, lora, outputs
 from grpo.cli import StageError
@@ -290,53 +288,3 @@ def keep_checkpoint(run_dir, i):
 
     shutil.copytree(os.path.join(run_dir, "policy"), keep + ".tmp", copy_function=link)
     files.replace_dir(keep + ".tmp", keep)
-
-
-def write_replay(it_dir, i, commands):
-    """replay.sh: this iteration's four stages as commands whose outputs go to $OUT, for comparison."""
-    out = f"${{OUT:-replay/iter_{i:04d}}}"
-    lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {it_dir}.", "set -e"]
-    file_flags = ("--out", "--rollouts", "--samples", "--rewards", "--advantages", "--critic-out")
-    for argv in commands:
-        redirect = [flag in file_flags for flag in [""] + argv[:-1]]         # the value follows its flag
-        argv = [(out if a == it_dir else f"{out}/{os.path.basename(a)}") if r else a
-                for a, r in zip(argv, redirect)]
-        lines.append(" ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv))
-    with files.atomic_path(os.path.join(it_dir, "replay.sh")) as tmp:
-        with open(tmp, "w") as f:
-            f.write("\n".join(lines) + "\n")
-
-
-def log_iteration(writer, bar, it_dir, i, metrics, samples, group_size):
-    """iter_XXXX/metrics.json (written last: the iteration is complete), TensorBoard (every namespaced
-    number, and up to four groups' completions with their rewards as text) and the progress line."""
-    files.write_json(os.path.join(it_dir, "metrics.json"), metrics)
-    log_scalars(writer, metrics, i)
-    writer.add_text("samples", samples_text(samples, group_size), i)
-    reward, kl = metrics["charts/reward_mean"], metrics.get("losses/kl") or 0.0    # none in a critic warm-up
-    bar.set_postfix(reward=f"{reward:.3f}", kl=f"{kl:.3g}")          # a LoRA run's KL is ~1e-5
-    held_out = f"  held-out {metrics['eval/reward_mean'] or 0:.3f}" if "eval/reward_mean" in metrics else ""
-    tqdm.write(f"iter {i:4d}  reward {reward:.3f}  frac_zero_std {metrics['charts/frac_zero_std']:.2f}  "
-               f"kl {kl:.3g}  len {metrics['charts/completion_len']:.1f}  "
-               f"{metrics['perf/iteration_s']:.1f}s{held_out}")
-
-
-def samples_text(samples, group_size, groups=4):
-    """TensorBoard's text for the first `groups` groups of samples.jsonl's rows (with their rewards):
-    what the user asked (the last user turn of a chat, not the template around it) and each
-    completion with its reward."""
-    blocks = []
-    for row in samples[::group_size][:groups]:
-        turns = [m["content"] for m in row.get("messages") or [] if m.get("role") == "user"]
-        asked = turns[-1] if turns else row["prompt"][-300:]
-        rewards = {id(s): "skipped" if s["reward"] is None else format(s["reward"], ".3f") for s in samples}
-        lines = [f"**{asked!r}**"] + [f"- reward {rewards[id(s)]}: {s['completion']!r}"
-                                      for s in samples if s["group"] == row["group"]]
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
-def log_scalars(writer, metrics, step):
-    for k, v in metrics.items():
-        if "/" in k and isinstance(v, (int, float)):
-            writer.add_scalar(k, v, step)

@@ -11,19 +11,16 @@ a test can feed them a hand-made batch. docs/runs-and-metrics.md says what each 
 - logprob_mismatch:         do sampler and trainer agree? |log π_θ − log π_old| before any step
 - explained_variance:       does PPO's critic predict the returns? 1 − Var(R − V)/Var(R)
 
-no_signal_groups is the one definition of a group with no signal (all its valid rewards equal, by
-all_equal_groups, or fewer than 2 rows that score.py did not skip): advantage.py gives such groups
-exactly 0, and reward_spread counts them. Shapes: N = B·G rows, G per group, T completion length.
+reward_spread counts the groups with no signal by grpo/groups.py's one definition of them.
+Shapes: N = B·G rows, G per group, T completion length.
 """
 
-import math
 from collections import Counter
 
 import torch
 
-# Rewards this close (in float32 ulps of the group's largest |r|) are one value: float32 residue
-# (0.1 + 0.2 vs 0.3) is not a spread, while 1e6 and 1e6 + 1 still differ.
-ZERO_SPREAD_RTOL = 4 * torch.finfo(torch.float32).eps
+from grpo.groups import group_mean_std, no_signal_groups
+
 # A batch where more than this share of groups has all-equal rewards trains on almost nothing.
 NO_SIGNAL_WARN = 0.5
 # On-policy, log π_θ and log π_old differ only by float rounding (about 1e-6 in float32 on a CPU,
@@ -36,29 +33,6 @@ CLIP_BAND_WARN = 0.01
 DIVERSITY_KEYS = ("distinct_1", "distinct_2", "repeat_4gram", "first_line_share")
 COLLAPSE_DISTINCT_DROP = 0.3      # distinct-1 or distinct-2 falls by this share of its previous value
 COLLAPSE_RISE = 0.25              # repeat_4gram or first_line_share rises by this much (absolute)
-
-
-def all_equal_groups(r, valid=None):
-    """True for groups whose rewards are all equal up to float rounding, counting only the `valid`
-    rows [B, G] when given (a group with none is all equal). r [B, G] -> [B]"""
-    if valid is None:
-        valid = torch.ones_like(r, dtype=torch.bool)
-    spread = r.masked_fill(~valid, -math.inf).max(-1).values - r.masked_fill(~valid, math.inf).min(-1).values
-    return spread <= ZERO_SPREAD_RTOL * r.abs().masked_fill(~valid, 0.0).max(-1).values     # [B]
-
-
-def group_mean_std(r, valid):
-    """Each group's mean [B, 1] and Bessel-corrected std [B, 1] over its valid rows. r, valid [B, G]"""
-    n = valid.sum(-1, keepdim=True)                                         # [B, 1]
-    mean = torch.where(valid, r, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
-    var = torch.where(valid, (r - mean) ** 2, 0.0).sum(-1, keepdim=True) / (n - 1).clamp(min=1)
-    return mean, var.sqrt()
-
-
-def no_signal_groups(r, valid):
-    """Groups whose advantages are exactly 0: all valid rewards equal, or fewer than 2 valid rows (rows
-    score.py skipped are not valid). r, valid [B, G] -> [B]"""
-    return all_equal_groups(r, valid) | (valid.sum(-1) < 2)
 
 
 def reward_spread(rewards, group_size, skipped=None):

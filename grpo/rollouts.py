@@ -6,7 +6,7 @@ dynamic sampling, which keeps the groups whose rewards differ over several round
 
 import torch
 
-from grpo import diagnostics, modeling
+from grpo import groups, modeling
 
 
 def pad_right(tensors, value):
@@ -62,7 +62,7 @@ def dapo_dynamic_sampling(sample_round, first_slot, rounds, B, G, pad_id, perf):
     kept, last = [], None
     for r in range(rounds):
         last, sample_args, score_args = sample_round(first_slot + r)
-        informative = ~diagnostics.no_signal_groups(last["rewards"].double().reshape(B, G),
+        informative = ~groups.no_signal_groups(last["rewards"].double().reshape(B, G),
                                                      ~last["skipped"].reshape(B, G))                # [B]
         kept += [(last, b) for b in range(B) if informative[b]]
         perf["charts/sample_rounds"] = r + 1

@@ -31,7 +31,7 @@ import sample
 import score
 import train
 import update
-from grpo import checkpoints, evaluation, modeling, runs
+from grpo import evaluation, modeling, run_log, runs
 
 STAGES = {"sample.py": (sample, ["--model", "m", "--prompts", "p"]),
           "score.py": (score, ["--rollouts", "r", "--samples", "s", "--reward", "char_class"]),
@@ -263,7 +263,7 @@ def test_tensorboard_samples_show_the_users_question_and_every_completion_with_i
     rows = [{"group": g, "prompt": "<|im_start|>system ... <|im_start|>assistant\n", "completion": f"c{g}{k}",
              "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": f"question {g}"}],
              "reward": None if k == 1 else float(k)} for g in range(5) for k in range(2)]
-    text = checkpoints.samples_text(rows, group_size=2)
+    text = run_log.samples_text(rows, group_size=2)
     assert "question 0" in text and "question 3" in text and "question 4" not in text
     assert "<|im_start|>" not in text
     assert "reward 0.000: 'c00'" in text and "reward skipped: 'c01'" in text
