@@ -485,10 +485,10 @@ def keep(record, records, claim):
 
 
 def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
-    """The record (read_run) of the finished run of `argv` (train.py flags, no --run-dir): finished in
-    RUNS/pool, found in `records` (kept by an earlier checkout: nothing runs), finished with --resume,
-    or run; a run here is linked as RUNS/`name`, and its record kept in `records` (keep). Raises
-    RunFailed."""
+    """The record (read_run) of the finished run of `argv` (train.py flags, no --run-dir): found in
+    `records` (what is on record is never run again, nor read from anywhere else), finished in
+    RUNS/pool, finished with --resume, or run; a run here is linked as RUNS/`name`, and its record
+    kept in `records` (keep). Raises RunFailed."""
     if STOPPING:                                      # SIGTERM came: start no other run
         raise RunFailed(f"{label}: stopped")
     argv = canonical(argv)
@@ -496,14 +496,15 @@ def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
     run_dir = os.path.join(runs_root, "pool", key)
     log, pid, attempts_path = run_dir + ".log", run_dir + ".pid", run_dir + ".attempts.json"
     done = os.path.join(run_dir, "experiment.json")
-    found = None if os.path.isfile(done) or not records else find_record(records, key)
-    if found:
-        return found
+    found = find_record(records, key) if records else None
+    if found or os.path.isfile(done):
+        if os.path.isdir(run_dir):                    # run in this checkout: named for this claim too
+            link(run_dir, os.path.join(runs_root, name))
+            link(log, os.path.join(runs_root, name + ".log"))
+        return found or finished(run_dir, key, records)
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     link(run_dir, os.path.join(runs_root, name))
     link(log, os.path.join(runs_root, name + ".log"))
-    if os.path.isfile(done):
-        return finished(run_dir, key, records)
     if os.path.isfile(pid):
         other = int(open(pid).read() or 0)
         try:

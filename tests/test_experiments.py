@@ -9,6 +9,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -402,7 +403,8 @@ def test_every_claims_table_recomputes_from_its_records_alone(name, tmp_path, mo
     monkeypatch.setattr(claims, "run_child", no_run)
     monkeypatch.setattr(claims, "figure", lambda *_: None)          # the table is the record's; the PNG is drawn
     args, setup = claims.parse_args([name])
-    setup.results = str(tmp_path)
+    setup.results, setup.records = str(tmp_path), str(tmp_path / "records")
+    shutil.copytree(claims.RECORDS, setup.records)                   # what a run would keep stays here
     claims.run_claim(name, args.seeds, setup)
     committed = os.path.join(claims.RESULTS, f"{name}.md")
     assert (tmp_path / f"{name}.md").read_text() == open(committed).read()
