@@ -96,20 +96,6 @@ def prompt_batch(tokenizer, device, num_prompts, group_size, length=None):
     return ids.repeat_interleave(group_size, 0).to(device), mask.repeat_interleave(group_size, 0).to(device)
 
 
-def lever_setup(description, argv, reps_help):
-    """What a lever's benchmark starts from: its flags (--model, --reps, --threads) parsed, torch's
-    threads set, and the tokenizer, the model (on the CPU) and the default job's prompt batch [N, P]."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--reps", type=int, default=3, help=f"{reps_help} (default 3)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or builders.default_model_dir()
-    tokenizer, model = modeling.load_tokenizer(model_dir), modeling.load_model(model_dir, "cpu")
-    return args, tokenizer, model, prompt_batch(tokenizer, torch.device("cpu"), B, G)
-
-
 def iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask, group_size, share=True):
     """An iteration's stages as train.py runs them, each a function of the one before:
     sampling(seed) → a rollouts dict (sample.sample_completions with the oneDNN LM head, as

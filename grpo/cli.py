@@ -45,7 +45,7 @@ def keep_freed_memory():
     large blocks, no trim of the heap below 2 GB free) instead of returning it to the kernel. Every
     iteration allocates and frees the same few GB (activations, logits, gradients); returned, each
     page is faulted in and zeroed again on its next use: on the default job about 450,000 page
-    faults an update, and 3.8 s of its 17.5 s (benchmarks/freed_memory.py). The same reuse torch's
+    faults an update, and 3.8 s of its 17.5 s (docs/performance.md). The same reuse torch's
     caching allocator gives a GPU. A thread other than the main one still maps blocks larger than
     its 64 MB heaps (the checkpoint saver's). Returns False, changing nothing, off glibc."""
     try:

@@ -293,7 +293,7 @@ class _TokenLogprobs(torch.autograd.Function):
     The softmax p is recomputed chunk by chunk in the backward pass from the logits (which the LM
     head's output already holds) and the saved lse, rather than kept: autograd through
     log_softmax or logsumexp keeps or makes several [..., V] float32 tensors (z, the softmax, the
-    gather's scatter), the largest tensors of an update (benchmarks/logprobs.py)."""
+    gather's scatter), the largest tensors of an update (docs/performance.md)."""
 
     CHUNK = 1 << 21                    # float32 elements of z a chunk holds at most (8 MB)
 
@@ -348,8 +348,9 @@ def autocast(device):
 
 
 # MKL's sgemm runs the decode step's products, a few dozen rows against each weight, well below the
-# rate oneDNN reaches on a weight packed once into its own layout (benchmarks/decode_linears.py, on
-# the 2-core AMD machine this project is measured on); False: every product through MKL.
+# rate oneDNN reaches on a weight packed once into its own layout (benchmarks/levers.py
+# decode-linears, on the 2-core AMD machine this project is measured on); False: every product
+# through MKL.
 ONEDNN_DECODE = True
 
 

@@ -29,7 +29,7 @@ def adamw(model, lr, weight_decay=0.0, state_file=None):
     `state_file` (optimizer.safetensors) if given."""
     params = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel a step instead of a dozen passes over every weight; on 2 CPU cores about 4×
-    # cheaper than torch's default for-loop for the default model (benchmarks/adamw.py), equal to it
+    # cheaper than torch's default for-loop for the default model (docs/performance.md), equal to it
     # within float rounding. FSDP2's sharded DTensors keep torch's default.
     fused = not any(isinstance(p, DTensor) for p in params) or None
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)

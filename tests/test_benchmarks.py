@@ -1,5 +1,5 @@
 """benchmarks/iteration.py's matmul FLOP count, against a count by hand on a tiny Llama config; the
-draws of benchmarks/draw.py are draws from the sampler's distribution; gpu_check.py on the CPU."""
+draws of `benchmarks/levers.py draw` are draws from the sampler's distribution; gpu_check.py on the CPU."""
 
 import os
 import sys
@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-import draw  # noqa: E402
 import iteration  # noqa: E402
+import levers  # noqa: E402
 
 
 def tiny_config():
@@ -51,12 +51,12 @@ def test_backward_is_the_transposed_products():
     assert {("lm_head", 4, 8, 32, 1), ("lm_head", 4, 32, 8, 1), ("lm_head", 8, 4, 32, 1)} <= set(update)
 
 
-@pytest.mark.parametrize("name", list(draw.DRAWS))
+@pytest.mark.parametrize("name", list(levers.DRAWS))
 def test_every_draw_follows_softmax_at_temperature(name):
     # 4 tokens, logits [2, 1, 0, -1] at τ = 0.5: p ∝ exp([4, 2, 0, -2]) = [0.8650, 0.1171, 0.0158, 0.0021].
     # 200,000 draws: a frequency's standard error is at most 0.0011, so 0.006 is more than 5 of them.
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(200_000, 4)
-    tokens = draw.DRAWS[name](logits, 0.5, torch.Generator().manual_seed(0)).squeeze(-1)
+    tokens = levers.DRAWS[name](logits, 0.5, torch.Generator().manual_seed(0)).squeeze(-1)
     frequency = torch.bincount(tokens, minlength=4).double() / len(tokens)
     assert torch.allclose(frequency, torch.tensor([0.8650, 0.1171, 0.0158, 0.0021], dtype=torch.double), atol=0.006)
 
