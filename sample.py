@@ -26,7 +26,7 @@ Choices where the paper and docs/formats.md are silent:
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
   On a CPU its products run through oneDNN on packed weights (modeling.decode_linears), which
-  changes only rounding (log π_old within 6.5e-5 of MKL's: benchmarks/decode_linears.py).
+  changes only rounding (log π_old within 6.5e-5 of MKL's: benchmarks/levers.py decode-linears).
 - The G rows of a group share their prompt: each distinct prompt of a micro-batch is prefilled
   once and its KV cache expanded to its rows (modeling.prefill), and the reference and critic
   passes run the same way; --no-prefix-sharing runs every row's own prompt, for the same numbers.
@@ -78,7 +78,7 @@ def draw(probs, generator):
     argmax_v p_v / q_v, q_v ~ Exp(1). For float32 on a CPU the exponentials are exponential_'s own,
     -log1p(-u) of float64 uniforms in memory order, cast to float32 (the cast hides the last-bit
     differences between torch's log1p and libm's), made a batch at once: the same tokens for a seed
-    in half the time (tests/test_sampling.py, benchmarks/draw.py). Otherwise torch.multinomial."""
+    in half the time (tests/test_sampling.py, benchmarks/levers.py draw). Otherwise torch.multinomial."""
     if probs.device.type != "cpu" or probs.dtype != torch.float32:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     if torch.isnan(probs).any():                                    # softmax of an inf or NaN logit
@@ -216,37 +216,40 @@ def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None):
 
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="policy π_old (π_θ before this update): folder or Hub id")
-    p.add_argument("--prompts", required=True, help="JSON-lines prompts ('prompt' or 'messages' per record)")
-    p.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
-    p.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
-    p.add_argument("--num-prompts", type=int, default=None, help="B: prompts (default: all from --start)")
-    p.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit (128)")
-    p.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="draw from the K most likely tokens only, after τ (default 0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus: draw from the most likely tokens whose probability reaches P, after τ and\n"
-                        "top-k (default 1.0: all)")
-    p.add_argument("--min-p", type=float, default=0.0, metavar="M",
-                   help="leave out tokens below M × the most likely one's probability, after top-p\n"
-                        "(default 0: none); log-probs stay the model's at τ, whatever the truncation")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--ref-model", default=None, help="π_ref: the frozen reference model's folder or Hub id")
-    p.add_argument("--critic", default=None,
-                   help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
-    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill each distinct prompt once and expand its KV cache to its G rows, in the\n"
-                        "sampler, --ref-model and --critic (default); --no-prefix-sharing: every row its\n"
-                        "own prompt (the reference path; the same completions and log-probs)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
-    lora.add_flags(p)
-    provenance.add_flag(p)
-    add_runtime_flags(p)
+    paths = p.add_argument_group("files")
+    paths.add_argument("--model", required=True,
+                       help="policy π_old (π_θ before this update): folder or Hub id")
+    paths.add_argument("--prompts", required=True, help="JSON-lines prompts ('prompt' or 'messages' per record)")
+    paths.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
+    paths.add_argument("--ref-model", default=None, help="π_ref: the frozen reference model's folder or Hub id")
+    paths.add_argument("--critic", default=None,
+                       help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
+    draws = p.add_argument_group("the algorithm: G completions of B prompts")
+    draws.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
+    draws.add_argument("--num-prompts", type=int, default=None, help="B: prompts (default: all from --start)")
+    draws.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
+    draws.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit (128)")
+    draws.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
+    draws.add_argument("--top-k", type=int, default=0, metavar="K",
+                       help="draw from the K most likely tokens only, after τ (default 0: all)")
+    draws.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                       help="nucleus: draw from the most likely tokens whose probability reaches P, after τ and\n"
+                            "top-k (default 1.0: all)")
+    draws.add_argument("--min-p", type=float, default=0.0, metavar="M",
+                       help="leave out tokens below M × the most likely one's probability, after top-p\n"
+                            "(default 0: none); log-probs stay the model's at τ, whatever the truncation")
+    draws.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    draws.add_argument("--ignore-eos", action="store_true",
+                       help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
+    mem = p.add_argument_group("memory and devices")
+    mem.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
+    mem.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                     help="prefill each distinct prompt once and expand its KV cache to its G rows, in the\n"
+                          "sampler, --ref-model and --critic (default); --no-prefix-sharing: every row its\n"
+                          "own prompt (the reference path; the same completions and log-probs)")
+    add_runtime_flags(mem)
+    lora.add_flags(p.add_argument_group("LoRA"))
+    provenance.add_flag(paths)
     return p
 
 

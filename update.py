@@ -63,6 +63,7 @@ import argparse
 import json
 import math
 import time
+from collections import Counter
 
 import torch
 from tqdm import tqdm
@@ -76,7 +77,7 @@ from grpo.update_metrics import UpdateMetrics
 # ----------------------------------------------------------------------------------------
 # The algorithm: the clipped, KL-penalised token loss, its aggregation, and PPO's value loss
 
-def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, beta, clip_eps, clip_eps_high,
+def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, clip_eps, clip_eps_high,
                     dual_clip=None, ratio_level="token", kl_estimator="k3", entropy=None, entropy_coef=0.0):
     """ℓ_t of docs/formats.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T].
     With entropy_coef c, ℓ_t also holds −c·H_t (`entropy` [n, T], with its gradient; verl)."""
@@ -142,9 +143,7 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
 
     log π_ref comes from `ref_model` by the very call that computes log π_θ, on the same rows and
     shapes, so at θ = θ_ref the two are equal to the bit (docs/numerics.md); without one, from the
-    rollouts' ref_logprobs. Under torchrun each rank runs its share of every minibatch
-    (distributed.micro_batches) with the whole minibatch's normalisers: the one-process step."""
-    device = next(policy.parameters()).device
+    rollouts' ref_logprobs."""
     plan = minibatch_plan(rollouts, args.epochs, args)
     rollouts = training_rows(policy, rollouts, advantages, args, plan[0])
     log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level,
@@ -157,15 +156,8 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
             num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
             optimizer.zero_grad(set_to_none=True)
             log.start()
-            passes = distributed.micro_batches(rows, args.micro_batch_size)   # this rank's share
-            for k, (idx, weight) in enumerate(passes):
-                batch = {key: v[idx].to(device) for key, v in rollouts.items()}
-                with distributed.grad_sync(policy, k == len(passes) - 1):
-                    loss, terms = micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens)
-                    (loss * weight).backward()   # DDP and FSDP average over ranks; × world: a sum
-                if weight:                    # weight 0: a padding pass, for the collectives alone
-                    log.add(batch, loss, terms)
-            grad_norm = optim.clip_gradients(policy, args.max_grad_norm)
+            grad_norm = minibatch_gradient(policy, rollouts, rows, args, log.add, lambda batch: micro_batch_loss(
+                policy, ref_model, batch, args, num_seqs, num_tokens))
             bar.update(1)
             if not log.end_minibatch(grad_norm):      # NaN or inf would reach every weight
                 skipped = optim.skip_step(optimizer, skipped, grad_norm, log.sums["loss"], args.max_bad_steps)
@@ -192,8 +184,8 @@ def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
         policy, *inputs, args.temperature, with_entropy=True, entropy_grad=args.entropy_coef != 0,
         share_prefix=args.prefix_sharing)                                                  # log π_θ [n, T]
     token_loss, terms = grpo_token_loss(
-        logp, batch["old_logprobs"], ref_logp, batch["advantages"], mask, args.beta, args.clip_eps,
-        args.clip_eps_high, dual_clip=args.dual_clip, ratio_level=args.ratio_level,
+        logp, batch["old_logprobs"], ref_logp, batch["advantages"], mask, beta=args.beta, clip_eps=args.clip_eps,
+        clip_eps_high=args.clip_eps_high, dual_clip=args.dual_clip, ratio_level=args.ratio_level,
         kl_estimator=args.kl_estimator, entropy=entropy, entropy_coef=args.entropy_coef)    # ℓ_t [n, T]
     loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
     terms.update(logp=logp, ref_logp=ref_logp, entropy=entropy, policy_loss=aggregate(
@@ -201,52 +193,66 @@ def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
     return loss, terms
 
 
-CRITIC_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "values", "returns")
-
-
 def train_critic(critic, rollouts, returns, args):
     """PPO's critic V: --critic-epochs seeded shuffles of the rows in minibatches of --minibatch-size,
     one AdamW step each (at --critic-lr) on the clipped value loss towards `returns`, aggregated over
     tokens like the policy loss; returns its metrics: the means over its steps and the explained
     variance of the sampled V_old (how much of the returns' variance the critic predicted)."""
-    device = next(critic.model.parameters()).device
     plan = minibatch_plan(rollouts, args.critic_epochs, args)
-    rollouts = {**rollouts, "loss_mask": loss_mask(rollouts, args), "returns": returns}
-    sums, skipped = [], 0
+    rollouts = {**{k: rollouts[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                            "values")}, "loss_mask": loss_mask(rollouts, args), "returns": returns}
+    steps, skipped = [], 0
     with modeling.gradient_checkpointing([critic.model], args.gradient_checkpointing):
         for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
             num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
             critic.optimizer.zero_grad(set_to_none=True)
-            step = dict.fromkeys(("value_loss", "value_clipped", "value_sum"), 0.0)
-            passes = distributed.micro_batches(rows, args.micro_batch_size)
-            for k, (idx, weight) in enumerate(passes):
-                batch = {key: rollouts[key][idx].to(device) for key in CRITIC_KEYS}
-                with distributed.grad_sync(critic.model, k == len(passes) - 1):
-                    V = modeling.completion_values(critic.model, *(batch[key] for key in CRITIC_KEYS[:4]),
-                                                   args.prefix_sharing)                             # V_t [n, T]
-                    value_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
-                    value_loss = aggregate(value_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens,
-                                           args.max_new_tokens)
-                    (args.vf_coef * value_loss * weight).backward()
-                if weight:                    # weight 0: a padding pass, for the collectives alone
-                    step["value_loss"] += value_loss.item()
-                    step["value_clipped"] += clipped[batch["loss_mask"]].sum().item()
-                    step["value_sum"] += torch.where(batch["loss_mask"], V.detach(), 0.0).sum().item()
+            step = Counter(dict.fromkeys(("value_loss", "value_clipped", "value_sum"), 0.0))
+            grad_norm = minibatch_gradient(critic.model, rollouts, rows, args, lambda _, __, sums: step.update(sums),
+                                           lambda batch: value_loss(critic.model, batch, args, num_seqs, num_tokens))
             step = distributed.all_reduce(step, "sum")
-            grad_norm = optim.clip_gradients(critic.model, args.max_grad_norm)
             if not (math.isfinite(step["value_loss"]) and math.isfinite(grad_norm)):
                 skipped = optim.skip_step(critic.optimizer, skipped, grad_norm, step["value_loss"],
                                           args.max_bad_steps)
                 continue
             optim.step(critic.optimizer, args, args.critic_lr)
-            sums.append({"value_loss": step["value_loss"], "value_grad_norm": grad_norm,
-                         "value_clip_frac": step["value_clipped"] / num_tokens,
-                         "value_mean": step["value_sum"] / num_tokens})
-    metrics = {k: sum(s[k] for s in sums) / len(sums) if sums else None
+            steps.append({"value_loss": step["value_loss"], "value_grad_norm": grad_norm,
+                          "value_clip_frac": step["value_clipped"] / num_tokens,
+                          "value_mean": step["value_sum"] / num_tokens})
+    metrics = {k: sum(s[k] for s in steps) / len(steps) if steps else None
                for k in ("value_loss", "value_grad_norm", "value_clip_frac", "value_mean")}
-    return {**metrics, "critic_steps": len(sums), "critic_skipped_steps": skipped,
+    return {**metrics, "critic_steps": len(steps), "critic_skipped_steps": skipped,
             "explained_variance": diagnostics.explained_variance(rollouts["values"], returns,
                                                                  rollouts["completion_mask"])}
+
+
+def value_loss(critic, batch, args, num_seqs, num_tokens):
+    """One micro-batch's share of the critic's minibatch loss, vf_coef·L_V (with its gradient), and
+    the sums its step metrics are made of: L_V itself, the clipped tokens and Σ V_t."""
+    V = modeling.completion_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                   batch["completion_mask"], args.prefix_sharing)             # V_t [n, T]
+    token_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
+    loss = aggregate(token_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    return args.vf_coef * loss, {"value_loss": loss.item(), "value_clipped": clipped[batch["loss_mask"]].sum().item(),
+                                 "value_sum": torch.where(batch["loss_mask"], V.detach(), 0.0).sum().item()}
+
+
+def minibatch_gradient(model, rollouts, rows, args, record, loss_of):
+    """The gradient of one minibatch's loss in `model`, from this rank's share of its `rows`
+    (distributed.micro_batches) in micro-batches of --micro-batch-size, each backward carrying the
+    whole minibatch's normalisers, so that the gradient does not depend on the split; returns its norm
+    before clipping to --max-grad-norm. `loss_of(batch)` gives a micro-batch's (loss, terms), which
+    `record(batch, loss, terms)` takes. A pass of weight 0 pads a rank's share so that every rank joins
+    the same collectives; it adds nothing and is not recorded."""
+    device = next(model.parameters()).device
+    passes = distributed.micro_batches(rows, args.micro_batch_size)
+    for k, (idx, weight) in enumerate(passes):
+        batch = {key: v[idx].to(device) for key, v in rollouts.items()}
+        with distributed.grad_sync(model, k == len(passes) - 1):
+            loss, terms = loss_of(batch)
+            (loss * weight).backward()   # DDP and FSDP average over ranks; × world: a sum
+        if weight:
+            record(batch, loss, terms)
+    return optim.clip_gradients(model, args.max_grad_norm)
 
 
 def minibatch_plan(rollouts, epochs, args):
@@ -328,81 +334,87 @@ def load_inputs(args):
 
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder or Hub id)")
-    p.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
-    p.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
-    p.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
-    p.add_argument("--lr", type=float, default=1e-6,
-                   help="AdamW learning rate (default 1e-6; 0: a frozen control run)")
-    p.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
-                   help="lr by AdamW step: constant, or a linear or cosine decay to 0 at --total-steps")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over this many AdamW steps")
-    p.add_argument("--total-steps", type=int, default=None, help="AdamW steps it spans (train.py sets it)")
-    p.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
-    p.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
-    p.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
-    p.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
-                   help="how ℓ_t is averaged: seq, the mean of the sequences' token means (DeepSeekMath,\n"
-                        "default); token, Σ ℓ_t / token count (DAPO); dr_grpo, Σ ℓ_t / (N × L_max)")
-    p.add_argument("--dual-clip", type=float, default=None, metavar="C",
-                   help="C: for A < 0 cap the token loss at C·|A|, C > 1 (dual-clip PPO, Ye et al. 2020)")
-    p.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
-                   help="token: ρ_t per token (default); sequence: one ρ_i = exp(mean_t log ρ_t) per\n"
-                        "completion (GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
-    p.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
-                   help="KL estimator in the loss, x = log π_ref − log π_θ (Schulman 2020): k1 = −x,\n"
-                        "whose expected gradient on-policy is 0 (noise only); k2 = x²/2, the gradient of\n"
-                        "KL(π_θ‖π_ref); k3 = eˣ − x − 1 (default), that of KL(π_ref‖π_θ). metrics: k3")
-    p.add_argument("--entropy-coef", type=float, default=0.0,
-                   help="c: add −c·H_t to ℓ_t (verl; default 0)")
-    p.add_argument("--mask-truncated", action="store_true",
-                   help="no loss on completions that reached L_max without EOS (DAPO's overlong filtering)")
-    p.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
-                   help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
-                        "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
-    p.add_argument("--ref-model", default=None,
-                   help="π_ref: the frozen reference (folder or Hub id; default: the rollouts' --ref-model);\n"
-                        "its log-probs are computed in each micro-batch by the call that computes log π_θ")
-    p.add_argument("--ref-logprobs", default=None, choices=["recompute", "rollouts"],
-                   help="log π_ref: recompute, from --ref-model beside log π_θ, in its shapes (equal to the bit\n"
-                        "at θ = θ_ref); rollouts, the file's ref_logprobs (computed in other shapes, they\n"
-                        "differ by rounding, which AdamW can turn into a step: docs/numerics.md). Default:\n"
-                        "recompute when a reference is named (--ref-model, or the rollouts'), else rollouts")
-    p.add_argument("--critic", default=None, help="PPO: the critic V to train (from train.py --algo ppo)")
-    p.add_argument("--critic-out", default=None, help="PPO: output folder of the critic and its AdamW state")
-    p.add_argument("--critic-lr", type=float, default=None,
-                   help="the critic's AdamW lr (default 10 × --lr: its head starts from zero and must fit\n"
-                        "the returns within a few steps while the policy moves slowly; verl's defaults)")
-    p.add_argument("--critic-epochs", type=int, default=None,
-                   help="PPO: the critic's passes over the rollouts, each a shuffle cut into minibatches of\n"
-                        "--minibatch-size, one AdamW step each (default: --epochs; verl's critic.ppo_epochs)")
-    p.add_argument("--critic-only", action="store_true",
-                   help="PPO: step the critic alone; --out gets the policy unchanged (train.py --critic-warmup)")
-    p.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
-    p.add_argument("--value-clip", type=float, default=0.2,
-                   help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
-    p.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
-    p.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each layer's activations in the backward pass instead of keeping them:\n"
-                        "less memory, about one more forward pass of time; the same numbers")
-    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
-                   help="run each distinct prompt of a micro-batch once and let its completions attend to\n"
-                        "its keys and values (default); --no-prefix-sharing: each row's prompt its own\n"
-                        "(the reference path; the same numbers). Off under --gradient-checkpointing")
-    p.add_argument("--max-grad-norm", type=float, default=1.0,
-                   help="clip the gradient's norm to this (default 1.0; inf: no clipping)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    p.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
-    p.add_argument("--max-bad-steps", type=int, default=5, help="non-finite steps skipped, at most (5)")
-    p.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
-    p.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
-    p.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
-    lora.add_flags(p)
-    provenance.add_flag(p)
-    add_runtime_flags(p)
+    paths = p.add_argument_group("files")
+    paths.add_argument("--model", required=True, help="policy π_θ to update (HF checkpoint folder or Hub id)")
+    paths.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
+    paths.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
+    paths.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
+    paths.add_argument("--ref-model", default=None,
+                       help="π_ref: the frozen reference (folder or Hub id; default: the rollouts' --ref-model);\n"
+                            "its log-probs are computed in each micro-batch by the call that computes log π_θ")
+    paths.add_argument("--critic", default=None, help="PPO: the critic V to train (from train.py --algo ppo)")
+    paths.add_argument("--critic-out", default=None, help="PPO: output folder of the critic and its AdamW state")
+    loss = p.add_argument_group("the algorithm: the clipped, KL-penalised loss")
+    loss.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
+    loss.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
+    loss.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
+    loss.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
+                      help="how ℓ_t is averaged: seq, the mean of the sequences' token means (DeepSeekMath,\n"
+                           "default); token, Σ ℓ_t / token count (DAPO); dr_grpo, Σ ℓ_t / (N × L_max)")
+    loss.add_argument("--dual-clip", type=float, default=None, metavar="C",
+                      help="C: for A < 0 cap the token loss at C·|A|, C > 1 (dual-clip PPO, Ye et al. 2020)")
+    loss.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
+                      help="token: ρ_t per token (default); sequence: one ρ_i = exp(mean_t log ρ_t) per\n"
+                           "completion (GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
+    loss.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
+                      help="KL estimator in the loss, x = log π_ref − log π_θ (Schulman 2020): k1 = −x,\n"
+                           "whose expected gradient on-policy is 0 (noise only); k2 = x²/2, the gradient of\n"
+                           "KL(π_θ‖π_ref); k3 = eˣ − x − 1 (default), that of KL(π_ref‖π_θ).\n"
+                           "metrics: k3")
+    loss.add_argument("--entropy-coef", type=float, default=0.0,
+                      help="c: add −c·H_t to ℓ_t (verl; default 0)")
+    loss.add_argument("--mask-truncated", action="store_true",
+                      help="no loss on completions that reached L_max without EOS (DAPO's overlong filtering)")
+    loss.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
+                      help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
+                           "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
+    loss.add_argument("--ref-logprobs", default=None, choices=["recompute", "rollouts"],
+                      help="log π_ref: recompute, from --ref-model beside log π_θ, in its shapes (equal to the bit\n"
+                           "at θ = θ_ref); rollouts, the file's ref_logprobs (computed in other shapes, they\n"
+                           "differ by rounding, which AdamW can turn into a step: docs/numerics.md). Default:\n"
+                           "recompute when a reference is named (--ref-model, or the rollouts'), else rollouts")
+    loss.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
+    loss.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
+    opt = p.add_argument_group("the optimizer: epochs, minibatches, AdamW")
+    opt.add_argument("--lr", type=float, default=1e-6,
+                     help="AdamW learning rate (default 1e-6; 0: a frozen control run)")
+    opt.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
+                     help="lr by AdamW step: constant, or a linear or cosine decay to 0 at --total-steps")
+    opt.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over this many AdamW steps")
+    opt.add_argument("--total-steps", type=int, default=None, help="AdamW steps it spans (train.py sets it)")
+    opt.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
+    opt.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
+    opt.add_argument("--max-grad-norm", type=float, default=1.0,
+                     help="clip the gradient's norm to this (default 1.0; inf: no clipping)")
+    opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    opt.add_argument("--max-bad-steps", type=int, default=5, help="non-finite steps skipped, at most (5)")
+    opt.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
+    opt.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
+    ppo = p.add_argument_group("PPO's critic")
+    ppo.add_argument("--critic-lr", type=float, default=None,
+                     help="the critic's AdamW lr (default 10 × --lr: its head starts from zero and must fit\n"
+                          "the returns within a few steps while the policy moves slowly; verl's defaults)")
+    ppo.add_argument("--critic-epochs", type=int, default=None,
+                     help="PPO: the critic's passes over the rollouts, each a shuffle cut into minibatches of\n"
+                          "--minibatch-size, one AdamW step each (default: --epochs; verl's critic.ppo_epochs)")
+    ppo.add_argument("--critic-only", action="store_true",
+                     help="PPO: step the critic alone; --out gets the policy unchanged (train.py --critic-warmup)")
+    ppo.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
+    ppo.add_argument("--value-clip", type=float, default=0.2,
+                     help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
+    mem = p.add_argument_group("memory and devices")
+    mem.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
+    mem.add_argument("--gradient-checkpointing", action="store_true",
+                     help="recompute each layer's activations in the backward pass instead of keeping them:\n"
+                          "less memory, about one more forward pass of time; the same numbers")
+    mem.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                     help="run each distinct prompt of a micro-batch once and let its completions attend to\n"
+                          "its keys and values (default); --no-prefix-sharing: each row's prompt its own\n"
+                          "(the reference path; the same numbers). Off under --gradient-checkpointing")
+    mem.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
+    add_runtime_flags(mem)
+    lora.add_flags(p.add_argument_group("LoRA"))
+    provenance.add_flag(paths)
     return p
 
 

@@ -40,7 +40,7 @@ def check_combinations(cfg):
                          f"--algo ppo, and ppo takes its advantages from gae")
     if cfg.critic_warmup and not ppo:
         raise StageError(f"--critic-warmup {cfg.critic_warmup} trains PPO's critic, and --algo is {cfg.algo}")
-    if cfg.critic_warmup >= cfg.iterations:
+    if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations:
         raise StageError(f"--critic-warmup {cfg.critic_warmup}: the policy would never move in --iterations "
                          f"{cfg.iterations}; give 0 ≤ K < --iterations")
     if ppo and cfg.dynamic_sampling:

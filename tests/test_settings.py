@@ -28,7 +28,7 @@ GRPO_KNOBS = {
     "gradient_checkpointing": True, "max_grad_norm": 0.5, "weight_decay": 0.5, "max_bad_steps": 3, "fsdp": True,
 }
 PPO_KNOBS = {
-    "estimator": "gae", "gamma": 0.9, "lam": 0.8, "kl_in_reward": 0.05, "whiten": False, "critic_lr": 0.001,
+    "estimator": "gae", "gamma": 0.9, "lam": 0.8, "kl_in_reward": 0.05, "whiten": False, "critic_lr": 0.001, "critic_epochs": 2,
     "vf_coef": 0.5, "value_clip": 0.3, "ignore_eos": True,
     "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.05, "lora_target_modules": ["q_proj", "v_proj"],
 }
