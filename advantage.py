@@ -37,7 +37,7 @@ import argparse
 
 import torch
 
-from grpo import files, outputs, provenance, settings
+from grpo import files, outputs, provenance, settings, stage_inputs
 from grpo.cli import ArgumentParser, StageError, run_cli
 from grpo.groups import group_mean_std, no_signal_groups
 from grpo.settings import at_least, between
@@ -273,7 +273,7 @@ def main(argv=None):
     made_from = provenance.rewards_of_rollouts(args.rewards, args.rollouts, args.allow_mismatch)
     rollouts = None
     if args.estimator == "gae":                                           # groups play no part
-        rollouts = files.load_gae_rollouts(args.rollouts, args.rewards, data, args.kl_in_reward)
+        rollouts = stage_inputs.gae_rollouts(args.rollouts, args.rewards, data, args.kl_in_reward)
     elif args.estimator == "batch":                                       # groups are only described:
         files.group_shape(data["group_ids"], args.rewards)                # G = 1 is allowed
     else:

@@ -25,7 +25,7 @@ Choices where the paper and docs/formats.md are silent:
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
-  On a CPU its products run through oneDNN on packed weights (modeling.decode_linears), which
+  On a CPU its products run through oneDNN on packed weights (fast_decode.decode_linears), which
   changes only rounding (log π_old within 6.5e-5 of MKL's: benchmarks/levers.py decode-linears).
 - The G rows of a group share their prompt: each distinct prompt of a micro-batch is prefilled
   once and its KV cache expanded to its rows (modeling.prefill), and the reference and critic
@@ -45,7 +45,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import distributed, files, lora, modeling, outputs, provenance, settings
+from grpo import distributed, fast_decode, files, loading, lora, modeling, outputs, prompting, provenance, settings
 from grpo.rollouts import concat_rollouts, sample_rows, stack_completions
 from grpo.settings import above, at_least, between
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
@@ -100,7 +100,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     n = prompt_ids.shape[0]
     eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
     # Each distinct prompt once, its KV cache expanded to its rows (or every row's own prompt), with
-    # room for the completion: a step writes its keys and values in place (grpo/kv_cache.py).
+    # room for the completion: a step writes its keys and values in place (grpo/fast_decode.py).
     room = max_new_tokens - 1
     prefilled = share_prefix and modeling.prefill(model, prompt_ids, prompt_mask, room=room)
     out, cache, prompt_attention, position_ids = prefilled or modeling.prefill(
@@ -140,22 +140,22 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows).
     log π_ref comes from `ref_model` and PPO's V_t from `critic`, when given."""
     device = next(policy.parameters()).device
-    max_len = modeling.prompt_room(policy, args.max_new_tokens)
+    max_len = prompting.prompt_room(policy, args.max_new_tokens)
     path, lines = where                                 # the records' file and lines, for messages
-    texts, token_lists = modeling.render_prompts(records, tokenizer, path, max_len, lines)
+    texts, token_lists = prompting.render_prompts(records, tokenizer, path, max_len, lines)
     G = args.group_size
-    prompt_ids, prompt_mask = modeling.left_pad(token_lists, tokenizer.pad_token_id)  # [B, P]
+    prompt_ids, prompt_mask = prompting.left_pad(token_lists, tokenizer.pad_token_id)  # [B, P]
     prompt_ids = prompt_ids.repeat_interleave(G, dim=0).to(device)                    # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(G, dim=0).to(device)                  # [N, P]
     group_ids = torch.arange(len(records)).repeat_interleave(G)                       # [N]
     N = prompt_ids.shape[0]
-    eos_ids = [] if args.ignore_eos else modeling.eos_token_ids(tokenizer, policy)
+    eos_ids = [] if args.ignore_eos else loading.eos_token_ids(tokenizer, policy)
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
     parts = []                                        # per micro-batch: ids, mask, log π_old, truncated
     with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
-          modeling.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed weights
+          fast_decode.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed weights
         for rows in distributed.row_slices(N, args.micro_batch_size):
             parts.append(sample_completions(
                 policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
@@ -272,11 +272,11 @@ def main(argv=None):
     records, lines = files.select_records(args.prompts, args.start, args.num_prompts)
     args.num_prompts = len(records)
     device = distributed.init_distributed(args.device)
-    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
+    tokenizer = loading.load_tokenizer(args.model, args.trust_remote_code)
     policy = lora.load_policy(args.model, device, args)
     provenance.check_tokenizers(tokenizer, args)
     ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
-    critic = modeling.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
+    critic = loading.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 
     t0 = time.perf_counter()
     tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, (args.prompts, lines),

@@ -85,7 +85,7 @@ FLAGS = settings.stage_flags({script: stage.build_parser() for script, stage in 
 # The loop: stages 1 → 4 on the models in memory, every stage's files written
 
 def train(cfg, run_dir, resume, records):
-    """Iterations done .. cfg.iterations of the run in run_dir on the `records` of tasks.run_records,
+    """Iterations done .. cfg.iterations of the run in run_dir on the `records` of runs.run_records,
     with a held-out evaluation every --eval-every iterations and at the end, and a save (the resume
     point) every --save-every."""
     from torch.utils.tensorboard import SummaryWriter
@@ -219,7 +219,7 @@ def sample_and_score(slot, i, cfg, it_dir, models, paths, records, reward_fns, p
     """Stages 1 and 2 in memory for the B records of `slot`: G completions each and their rewards."""
     sample_args = stage_args("sample.py", cfg, it_dir, slot, i, paths, commands)
     score_args = stage_args("score.py", cfg, it_dir, slot, i, paths, commands)
-    records = tasks.iteration_records(records, slot, cfg.num_prompts, cfg.seed)
+    records = runs.iteration_records(records, slot, cfg.num_prompts, cfg.seed)
     with runs.timed(perf, "perf/sample_s"):
         critic = distributed.unwrap(models.critic.model) if models.critic else None
         ref = models.ref if sample_args.ref_model else None
@@ -338,7 +338,7 @@ def main(argv=None):
     args, cfg, run_dir = parse_args(argv)
     distributed.init_distributed(cfg.device)                  # under torchrun; rank 0 writes and logs
     distributed.barrier()                                 # every rank has checked run_dir before it exists
-    records = tasks.run_records(cfg.task, cfg.seed, cfg.prompts, cfg.eval_prompts_file,
+    records = runs.run_records(cfg.task, cfg.seed, cfg.prompts, cfg.eval_prompts_file,
                                 cfg.eval_prompts if cfg.eval_every else 0)
     if args.check:
         return check_batch(cfg, records)

@@ -68,7 +68,8 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from grpo import checkpoints, diagnostics, distributed, files, lora, modeling, optim, outputs, provenance, settings
+from grpo import (checkpoints, diagnostics, distributed, loading, lora, modeling, optim, outputs, provenance, settings,
+                  stage_inputs)
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn, warn_once
 from grpo.settings import above, above_or_inf, at_least, between
 from grpo.update_metrics import UpdateMetrics
@@ -286,50 +287,6 @@ def training_rows(policy, rollouts, advantages, args, first_epoch):
 
 
 # ----------------------------------------------------------------------------------------
-# Reading and checking the inputs
-
-def load_inputs(args):
-    """Rollouts and advantages, checked against each other before anything is computed or written.
-    Sets args.temperature and args.max_new_tokens to what is used, so the output's metadata says it."""
-    rollouts, meta, dims = files.load_tensors(args.rollouts, files.ROLLOUTS)
-    adv, _, adv_dims = files.load_tensors(args.advantages, files.ADVANTAGES)
-    provenance.advantages_of_rollouts(args.advantages, args.rollouts, args.allow_mismatch)
-    if adv_dims["N"] != dims["N"]:
-        raise StageError(f"{args.advantages}: has {adv_dims['N']} rows, {args.rollouts} has {dims['N']}")
-    if not torch.equal(adv["group_ids"], rollouts["group_ids"]):
-        raise StageError(f"{args.advantages}: group_ids differ from those of {args.rollouts} "
-                         f"(rows out of order?)")
-    if "T" in adv_dims and adv_dims["T"] != dims["T"]:
-        raise StageError(f"{args.advantages}: per-token advantages have T = {adv_dims['T']}, "
-                         f"the rollouts have T = {dims['T']}")
-    if args.ref_logprobs != "rollouts":                  # π_ref: --ref-model, or the one the rollouts name
-        args.ref_model = args.ref_model or meta.get("ref_model")
-    if args.ref_logprobs is None:                        # a file made by hand names none: its ref_logprobs
-        args.ref_logprobs = "recompute" if args.ref_model else "rollouts"
-    if args.ref_logprobs == "recompute" and not args.ref_model:
-        raise StageError(f"{args.rollouts}: --ref-logprobs recompute, but no reference model is named; pass "
-                         f"--ref-model")
-    if args.ref_logprobs == "rollouts" and args.beta != 0 and "ref_logprobs" not in rollouts:
-        raise StageError(f"{args.rollouts}: no 'ref_logprobs' but --beta is {args.beta}; sample with "
-                         f"--ref-model, pass --ref-model, or train with --beta 0")
-    empty = torch.nonzero(~rollouts["completion_mask"].any(-1)).flatten()
-    if len(empty):
-        raise StageError(f"{args.rollouts}: rows {files.format_rows(empty)} have no completion token "
-                         f"(completion_mask all false)")
-    if args.critic and "values" not in rollouts:
-        raise StageError(f"{args.rollouts}: no 'values' for --critic; sample with sample.py --critic DIR")
-    if args.critic and "returns" not in adv:
-        raise StageError(f"{args.advantages}: no 'returns' for --critic; compute the advantages with "
-                         f"advantage.py --estimator gae")
-    args.temperature = args.temperature or meta.get("temperature", 1.0)
-    args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens")
-    if args.loss_agg == "dr_grpo" and not args.max_new_tokens:
-        raise StageError(f"{args.rollouts}: --loss-agg dr_grpo divides by N × L_max, and the file's "
-                         f"metadata has no max_new_tokens; pass --max-new-tokens")
-    return rollouts, adv["advantages"], adv.get("returns")
-
-
-# ----------------------------------------------------------------------------------------
 # The command line
 
 def build_parser():
@@ -466,9 +423,9 @@ def main(argv=None):
         warn(diagnostics.BETA_ZERO_WARNING)
     if args.kl_estimator == "k1" and args.beta != 0:
         warn(diagnostics.K1_WARNING)
-    rollouts, advantages, returns = load_inputs(args)
+    rollouts, advantages, returns = stage_inputs.update_inputs(args)
     device = distributed.init_distributed(args.device)
-    tokenizer = modeling.load_tokenizer(args.model, args.trust_remote_code)
+    tokenizer = loading.load_tokenizer(args.model, args.trust_remote_code)
     policy = lora.load_policy(args.model, device, args)          # or its LoRA adapters
     if args.old_logprobs == "sampler":
         provenance.policy_of_rollouts(args.rollouts, policy, args.model, args.allow_mismatch)
@@ -479,7 +436,7 @@ def main(argv=None):
                             optim.optimizer_state(args.model, args.fresh_optimizer))
     critic = None
     if args.critic:
-        critic_model = modeling.load_critic(args.critic, device, args.trust_remote_code)
+        critic_model = loading.load_critic(args.critic, device, args.trust_remote_code)
         critic_model = distributed.distribute(critic_model, args.fsdp)
         critic = optim.Critic(critic_model, optim.adamw(critic_model, args.critic_lr, args.weight_decay,
                                                         optim.optimizer_state(args.critic, args.fresh_optimizer)))

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 import sample  # noqa: E402
 import update  # noqa: E402
-from grpo import builders, distributed, files, modeling, optim, tasks  # noqa: E402
+from grpo import builders, distributed, fast_decode, files, loading, modeling, optim, prompting, tasks  # noqa: E402
 
 B, G, T, TAU, BETA = 4, 8, 24, 0.7, 0.01
 SCALING_G, SCALING_P = (4, 8, 16), (40, 200, 800)
@@ -91,7 +91,7 @@ def chat_prompt(tokenizer, record, length=None):
 
 def prompt_batch(tokenizer, device, num_prompts, group_size, length=None):
     train, _, _ = tasks.make_task("arithmetic", 0)
-    ids, mask = modeling.left_pad([chat_prompt(tokenizer, r, length) for r in train[:num_prompts]],
+    ids, mask = prompting.left_pad([chat_prompt(tokenizer, r, length) for r in train[:num_prompts]],
                                   tokenizer.pad_token_id)
     return ids.repeat_interleave(group_size, 0).to(device), mask.repeat_interleave(group_size, 0).to(device)
 
@@ -112,7 +112,7 @@ def iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
     optimizer = optim.adamw(policy, 1e-6)
 
     def sampling(seed):
-        with modeling.decode_linears(policy, prompt_ids.shape[0]):
+        with fast_decode.decode_linears(policy, prompt_ids.shape[0]):
             ids, mask, logp, truncated = sample.sample_completions(
                 policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
                 torch.Generator(device=device).manual_seed(seed), share_prefix=share)
@@ -298,7 +298,7 @@ def sampler_rates(policy, ref, prompt_ids, prompt_mask, pad_id, reps, device):
                     policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), do_sample=True,
                                     temperature=TAU, top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
             else:
-                with modeling.decode_linears(policy, prompt_ids.shape[0]):         # as sample.rollout samples
+                with fast_decode.decode_linears(policy, prompt_ids.shape[0]):         # as sample.rollout samples
                     ids, mask, _, _ = sample.sample_completions(
                         policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
                         torch.Generator(device=device).manual_seed(0), share_prefix=name == "shared")
@@ -372,8 +372,8 @@ def run_project(args, model, run_dir, share, root=ROOT):
 
 
 def table_1(args, model_dir, device):
-    tokenizer = modeling.load_tokenizer(model_dir)
-    policy, ref = modeling.load_model(model_dir, device), modeling.load_model(model_dir, device)
+    tokenizer = loading.load_tokenizer(model_dir)
+    policy, ref = loading.load_model(model_dir, device), loading.load_model(model_dir, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     prompt_ids, prompt_mask = prompt_batch(tokenizer, device, B, G)
 
@@ -470,8 +470,8 @@ def print_compute_floor(project, in_process, floor_c, naive):
 
 def cell(model_dir, device, length, group_size, share):
     """One cell of table 2 in this (child) process: sample, then one update step (with the reference pass)."""
-    tokenizer = modeling.load_tokenizer(model_dir)
-    policy, ref = modeling.load_model(model_dir, device), modeling.load_model(model_dir, device)
+    tokenizer = loading.load_tokenizer(model_dir)
+    policy, ref = loading.load_model(model_dir, device), loading.load_model(model_dir, device)
     prompt_ids, prompt_mask = prompt_batch(tokenizer, device, 1, group_size, length)
     sampling, _, update_step = iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
                                                 group_size, share)

@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
 import sample  # noqa: E402
-from grpo import builders, modeling  # noqa: E402
+from grpo import builders, fast_decode, loading, modeling  # noqa: E402
 from iteration import B, G, T, TAU, floor_once, iteration_stages, prompt_batch  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def default_job_batch(args):
     CPU) and the default job's prompt batch [N, P]."""
     torch.set_num_threads(args.threads)
     model_dir = args.model or builders.default_model_dir()
-    tokenizer, model = modeling.load_tokenizer(model_dir), modeling.load_model(model_dir, "cpu")
+    tokenizer, model = loading.load_tokenizer(model_dir), loading.load_model(model_dir, "cpu")
     return tokenizer, model, prompt_batch(tokenizer, torch.device("cpu"), B, G)
 
 
@@ -132,7 +132,7 @@ def median_ms(f, reps=15):
 
 def run_decode_linears(args):
     """The sampler's products on a CPU: MKL's sgemm (F.linear, torch's default for float32) against
-    oneDNN on weights packed once (modeling.decode_linears, what sample.py's rollout uses).
+    oneDNN on weights packed once (fast_decode.decode_linears, what sample.py's rollout uses).
 
         python benchmarks/levers.py decode-linears        # SmolLM2-135M-Instruct, the default job's batch
         python benchmarks/levers.py decode-linears --threads 1
@@ -143,7 +143,7 @@ def run_decode_linears(args):
       rows (each weight once, cold, as in a step) and the LM head at 32 rows, milliseconds through
       each library (median of 15 after a warm-up).
     - The sampler: sample.sample_completions on the default job's batch (B = 4 prompts × G = 8, 24
-      new tokens, τ = 0.7, EOS ignored), with modeling.ONEDNN_DECODE off and on, alternating, median
+      new tokens, τ = 0.7, EOS ignored), with fast_decode.ONEDNN_DECODE off and on, alternating, median
       of --reps each and of the paired differences; whether the two drew the same tokens, and the
       largest difference of their log π_old.
     Prints a line each, then one JSON line."""
@@ -155,9 +155,9 @@ def run_decode_linears(args):
     results = {"threads": args.threads, "products_ms": {}}
     with torch.inference_mode():
         for on in (False, True):
-            modeling.ONEDNN_DECODE = on
+            fast_decode.ONEDNN_DECODE = on
             start = time.perf_counter()
-            with modeling.decode_linears(policy, rows):
+            with fast_decode.decode_linears(policy, rows):
                 if on:
                     results["pack_s"] = time.perf_counter() - start
                 results["products_ms"]["onednn" if on else "mkl"] = {
@@ -171,14 +171,14 @@ def run_decode_linears(args):
     seconds, outputs = {False: [], True: []}, {}
     for rep in range(args.reps + 1):                                   # the first round warms up
         for on in (False, True):
-            modeling.ONEDNN_DECODE = on
+            fast_decode.ONEDNN_DECODE = on
             start = time.perf_counter()
-            with modeling.decode_linears(policy, rows):
+            with fast_decode.decode_linears(policy, rows):
                 outputs[on] = sample.sample_completions(policy, prompt_ids, prompt_mask, T, TAU, [],
                                                         tokenizer.pad_token_id, torch.Generator().manual_seed(rep))
             if rep:
                 seconds[on].append(time.perf_counter() - start)
-    modeling.ONEDNN_DECODE = True
+    fast_decode.ONEDNN_DECODE = True
     same = torch.equal(outputs[False][0], outputs[True][0])
     diff = (outputs[False][2] - outputs[True][2]).abs().max().item()
     saved = [a - b for a, b in zip(seconds[False], seconds[True])]
@@ -279,7 +279,7 @@ def run_compiled_decode(args):
 # matmul-share: how much of each stage is matrix products
 
 PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_linear",
-            "mkldnn::_linear_pointwise"}                     # the last: modeling.decode_linears
+            "mkldnn::_linear_pointwise"}                     # the last: fast_decode.decode_linears
 
 
 def profiled(fn):
@@ -311,8 +311,8 @@ def run_matmul_share(args):
     with every other cost at zero, over the naive floor, the lowest ratio to the naive floor these
     products allow at the rate they run here. Prints a table, then one JSON line."""
     model_dir = args.model or builders.default_model_dir()
-    tokenizer = modeling.load_tokenizer(model_dir)
-    policy, ref = modeling.load_model(model_dir, "cpu"), modeling.load_model(model_dir, "cpu")
+    tokenizer = loading.load_tokenizer(model_dir)
+    policy, ref = loading.load_model(model_dir, "cpu"), loading.load_model(model_dir, "cpu")
     prompt_ids, prompt_mask = prompt_batch(tokenizer, torch.device("cpu"), B, G)
     sampling, reference, update_step = iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask, G)
     out = {}

@@ -24,12 +24,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from grpo import builders, files, modeling  # noqa: E402
+from grpo import builders, files, loading  # noqa: E402
 
 
 def made_up_batch(model_dir, rows, tokens, out_dir):
     """rollouts.safetensors and advantages.safetensors for `rows` completions of `tokens` tokens."""
-    vocab = modeling.load_tokenizer(model_dir).vocab_size
+    vocab = loading.load_tokenizer(model_dir).vocab_size
     g = torch.Generator().manual_seed(0)
     rollouts = {
         "prompt_ids": torch.randint(vocab, (rows, 16), generator=g),

@@ -19,10 +19,10 @@ from grpo.cli import StageError
 def base_model_dir(name, run_dir, seed=0):
     """The folder of train.py's --model: SmolLM2-135M-Instruct for "", a tiny Llama built once in
     RUN/base_model for "tiny", else `name` itself, or a Hub id's folder in the Hugging Face cache."""
-    from grpo import modeling
+    from grpo import loading
 
     if name != "tiny":
-        return default_model_dir() if name == "" else modeling.model_dir(name)
+        return default_model_dir() if name == "" else loading.model_dir(name)
     path = os.path.join(run_dir, "base_model")
     if distributed.is_main() and not os.path.isfile(os.path.join(path, "config.json")):
         make_tiny_llama(path, seed=seed)
@@ -75,16 +75,16 @@ def make_critic(policy_dir, out_dir, trust_remote_code=False):
     weights are the policy's, so the critic reads the text as the policy does."""
     from transformers import AutoModelForTokenClassification
 
-    from grpo import modeling
+    from grpo import loading
 
-    critic = modeling.load_model(policy_dir, "cpu", trust_remote_code, AutoModelForTokenClassification,
+    critic = loading.load_model(policy_dir, "cpu", trust_remote_code, AutoModelForTokenClassification,
                                  num_labels=1)
     head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
     with torch.no_grad():
         head.weight.zero_()
         if head.bias is not None:
             head.bias.zero_()
-    save_checkpoint(critic, modeling.load_tokenizer(policy_dir, trust_remote_code), out_dir)
+    save_checkpoint(critic, loading.load_tokenizer(policy_dir, trust_remote_code), out_dir)
     return out_dir
 
 

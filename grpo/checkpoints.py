@@ -21,9 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from grpo import distributed, files, lora, outputs
+from grpo import distributed, files, loading, outputs
 from grpo.cli import StageError
-from grpo.modeling import quiet_transformers
+from grpo.loading import quiet_transformers
 
 
 def checkpoint_tensors(model):
@@ -49,7 +49,7 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None, c
     quiet_transformers()
     out_dir = out_dir.rstrip("/")
     tmp = f"{out_dir}.tmp.{os.getpid()}"
-    adapters = lora.is_lora(model)
+    adapters = loading.is_lora(model)
     weights = checkpoint_tensors(model) if weights is None and not adapters else weights
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
@@ -154,7 +154,7 @@ def checkpoint_writer(model, tokenizer, optimizer, metrics, args, extra_files=No
     """A function that writes the checkpoint, optimizer.safetensors and metrics.json into the folder it
     is given (replacing it). The weights and AdamW's state are gathered now, on every rank (FSDP's
     gathers are collectives), and written later from the live tensors; None on ranks other than 0."""
-    weights = None if lora.is_lora(distributed.unwrap(model)) else checkpoint_tensors(model)
+    weights = None if loading.is_lora(distributed.unwrap(model)) else checkpoint_tensors(model)
     state = optimizer_state_tensors(model, optimizer)
     # What the optimizer used, beside the arguments it was given: lr, weight_decay, betas, eps.
     hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

@@ -44,8 +44,8 @@ def keep_freed_memory():
     """Have glibc's malloc keep the memory this process frees for its next allocations (no mmap of
     large blocks, no trim of the heap below 2 GB free) instead of returning it to the kernel. Every
     iteration allocates and frees the same few GB (activations, logits, gradients); returned, each
-    page is faulted in and zeroed again on its next use: on the default job about 450,000 page
-    faults an update, and 3.8 s of its 17.5 s (docs/performance.md). The same reuse torch's
+    page is faulted in and zeroed again on its next use (what that cost the default job is in
+    docs/performance.md). The same reuse torch's
     caching allocator gives a GPU. A thread other than the main one still maps blocks larger than
     its 64 MB heaps (the checkpoint saver's). Returns False, changing nothing, off glibc."""
     try:

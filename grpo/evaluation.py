@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from grpo import distributed, files, modeling
+from grpo import distributed, files, loading, modeling, prompting
 from grpo.distributed import row_slices
 
 
@@ -33,9 +33,9 @@ def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch
     (rewards [n], components, skipped [n]) as score.score does for training, with its weights and
     --on-reward-error."""
     device = next(model.parameters()).device
-    texts, token_lists = modeling.render_prompts(records, tokenizer, "held-out prompts", None)
-    prompt_ids, prompt_mask = modeling.left_pad(token_lists, tokenizer.pad_token_id)        # [n, P]
-    eos = modeling.eos_token_ids(tokenizer, model)
+    texts, token_lists = prompting.render_prompts(records, tokenizer, "held-out prompts", None)
+    prompt_ids, prompt_mask = prompting.left_pad(token_lists, tokenizer.pad_token_id)        # [n, P]
+    eos = loading.eos_token_ids(tokenizer, model)
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                               pad_token_id=tokenizer.pad_token_id)
     pieces, slices = [], row_slices(len(records), micro_batch_size)
@@ -53,7 +53,7 @@ def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch
     is_eos = torch.isin(ids, torch.tensor(eos))                                             # [n, T]
     mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0          # up to and including the first EOS
     completions = [tokenizer.decode(ids[b][mask[b]], skip_special_tokens=True) for b in range(len(records))]
-    rows = [modeling.sample_row(record, b, texts[b], completions[b]) for b, record in enumerate(records)]
+    rows = [prompting.sample_row(record, b, texts[b], completions[b]) for b, record in enumerate(records)]
     rollouts = {"group_ids": torch.arange(len(rows)), "completion_ids": ids, "completion_mask": mask}
     rewards, components, skipped = score(rows, rollouts)
     return texts, completions, rewards, skipped, mask.sum(-1).float(), components
@@ -79,7 +79,7 @@ class HeldOut:
             self.reference = answers
         elif self.reference is None:
             device = next(policy.parameters()).device
-            ref_model = ref_model or modeling.load_model(ref_dir, device, self.trust_remote_code)
+            ref_model = ref_model or loading.load_model(ref_dir, device, self.trust_remote_code)
             self.reference = greedy_answers(ref_model, self.tokenizer, self.records, self.score,
                                             self.max_new_tokens, self.micro_batch_size, desc="eval π_ref")
         texts, completions, rewards, skipped, lengths, components = answers

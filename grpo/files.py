@@ -105,39 +105,6 @@ def load_tensors(path, spec):
     return tensors, args, dims
 
 
-# GAE reads only these keys of the rollouts (values and the log-probs are checked where they are needed).
-ROLLOUTS_FOR_GAE = (ROLLOUTS[0], {k: (kind, shapes, k in ("completion_mask", "group_ids"))
-                                        for k, (kind, shapes, _) in ROLLOUTS[1].items()})
-
-
-def load_gae_rollouts(rollouts_file, rewards_file, data, kl_in_reward=0.0):
-    """The tensors of a rollouts file that advantage.py's GAE reads, checked against the rewards file's
-    `data`: same rows, same groups,
-    a completion mask that is a prefix of each row, values present and 0 where the mask is false, and
-    both log-probs with --kl-in-reward."""
-    rollouts, _, dims = load_tensors(rollouts_file, ROLLOUTS_FOR_GAE)
-    if dims["N"] != data["rewards"].numel() or not torch.equal(rollouts["group_ids"], data["group_ids"]):
-        raise StageError(f"{rewards_file}: its rows (N = {data['rewards'].numel()}) and group_ids differ "
-                         f"from those of {rollouts_file} (N = {dims['N']})")
-    if "values" not in rollouts:
-        raise StageError(f"{rollouts_file}: no 'values' for --estimator gae; sample with --critic DIR")
-    missing = [k for k in ("old_logprobs", "ref_logprobs") if k not in rollouts]
-    if kl_in_reward != 0 and missing:
-        raise StageError(f"{rollouts_file}: --kl-in-reward needs '{missing[0]}'"
-                         f"{'; sample with --ref-model' if missing[0] == 'ref_logprobs' else ''}")
-    mask = rollouts["completion_mask"]                                      # [N, T]
-    prefix = torch.arange(mask.shape[1]) < mask.sum(-1, keepdim=True)       # [N, T]
-    if not torch.equal(mask, prefix) or not mask[:, 0].all():
-        bad = torch.nonzero((mask != prefix).any(-1) | ~mask[:, 0]).flatten()
-        raise StageError(f"{rollouts_file}: completion_mask of rows {format_rows(bad)} is not a run of "
-                         f"true from the first token (GAE needs each completion's tokens in order)")
-    outside = torch.nonzero(((rollouts["values"] != 0) & ~mask).any(-1)).flatten()
-    if len(outside):
-        raise StageError(f"{rollouts_file}: 'values' is non-zero where completion_mask is false in rows "
-                         f"{format_rows(outside)}; the values and the mask do not belong together")
-    return rollouts
-
-
 def group_shape(group_ids, path):
     """(B, G) of a file's group_ids [N], checked: each group's rows contiguous, all groups of one size."""
     n = group_ids.numel()

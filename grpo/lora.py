@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from grpo import files, modeling, outputs
+from grpo import files, loading, outputs
 from grpo.cli import StageError, run_cli
 from grpo.settings import above, at_least, between
 
@@ -43,12 +43,12 @@ def add_flags(parser):
 
 def is_adapter(path):
     """Whether a model folder holds LoRA adapters (peft's adapter_config.json) rather than a model."""
-    return os.path.isfile(os.path.join(modeling.model_dir(path), "adapter_config.json"))
+    return os.path.isfile(os.path.join(loading.model_dir(path), "adapter_config.json"))
 
 
 def base_of(path):
     """The base model an adapter folder names."""
-    return files.read_json(os.path.join(modeling.model_dir(path), "adapter_config.json"))["base_model_name_or_path"]
+    return files.read_json(os.path.join(loading.model_dir(path), "adapter_config.json"))["base_model_name_or_path"]
 
 
 def load_policy(path, device, args):
@@ -59,17 +59,17 @@ def load_policy(path, device, args):
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if is_adapter(path):
-        config = LoraConfig.from_pretrained(modeling.model_dir(path))
+        config = LoraConfig.from_pretrained(loading.model_dir(path))
         if getattr(args, "lora_r", 0) not in (0, config.r):
             raise StageError(f"{path}: holds LoRA adapters of rank {config.r}, not --lora-r {args.lora_r}")
         alpha = getattr(args, "lora_alpha", None)
         if alpha is not None and alpha != config.lora_alpha:
             raise StageError(f"{path}: holds LoRA adapters with α {config.lora_alpha:g}, not --lora-alpha {alpha:g}")
         config.lora_dropout = getattr(args, "lora_dropout", config.lora_dropout)   # the flag given, not the saved
-        base = modeling.load_model(base_of(path), device, args.trust_remote_code)
-        model = PeftModel.from_pretrained(base, modeling.model_dir(path), config=config, is_trainable=True)
+        base = loading.load_model(base_of(path), device, args.trust_remote_code)
+        model = PeftModel.from_pretrained(base, loading.model_dir(path), config=config, is_trainable=True)
         return model.to(device).eval()
-    model = modeling.load_model(path, device, args.trust_remote_code)
+    model = loading.load_model(path, device, args.trust_remote_code)
     if not getattr(args, "lora_r", 0):
         given = [f for f, v in (("--lora-alpha", getattr(args, "lora_alpha", None)),
                                 ("--lora-dropout", getattr(args, "lora_dropout", 0.0) or None),
@@ -99,11 +99,6 @@ def check_targets(model, targets, path):
                              f"layers: {', '.join(linears)})")
 
 
-def is_lora(model):
-    """Whether a model is a peft model (told by its class's module: peft need not be imported)."""
-    return type(model).__module__.startswith("peft.")
-
-
 class Reference(torch.nn.Module):
     """π_ref of a LoRA policy: the policy itself with its adapters disabled, for forward passes and
     greedy answers."""
@@ -128,7 +123,7 @@ class Reference(torch.nn.Module):
 def reference(policy, ref_path):
     """π_ref for a policy: the policy's base with its adapters disabled when `ref_path` is that base, so
     no second copy is loaded; else None (the caller loads ref_path)."""
-    if is_lora(policy) and os.path.realpath(modeling.model_dir(ref_path)) == os.path.realpath(
+    if loading.is_lora(policy) and os.path.realpath(loading.model_dir(ref_path)) == os.path.realpath(
             policy.peft_config["default"].base_model_name_or_path):
         return Reference(policy)
     return None
@@ -137,7 +132,7 @@ def reference(policy, ref_path):
 def load_reference(ref_path, policy, device, trust_remote_code=False):
     """π_ref of `ref_path`: the policy's base with its adapters disabled when the policy is a LoRA
     policy of that base (no second copy), else the model of that folder, loaded frozen."""
-    return reference(policy, ref_path) or modeling.load_model(ref_path, device, trust_remote_code)
+    return reference(policy, ref_path) or loading.load_model(ref_path, device, trust_remote_code)
 
 
 @contextlib.contextmanager
@@ -173,7 +168,7 @@ def merge(adapter, out, trust_remote_code=False):
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         base.config.tie_word_embeddings = False
     merged = model.merge_and_unload()
-    checkpoints.save_checkpoint(merged, modeling.load_tokenizer(adapter, trust_remote_code), out,
+    checkpoints.save_checkpoint(merged, loading.load_tokenizer(adapter, trust_remote_code), out,
                                 command="grpo.lora --merge")
 
 

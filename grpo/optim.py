@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from grpo import checkpoints, distributed, modeling
+from grpo import checkpoints, distributed, loading
 from grpo.cli import StageError, warn
 
 
@@ -28,9 +28,9 @@ def adamw(model, lr, weight_decay=0.0, state_file=None):
     """AdamW over the model's trainable parameters (a LoRA policy's adapters), continuing from
     `state_file` (optimizer.safetensors) if given."""
     params = [p for p in model.parameters() if p.requires_grad]
-    # fused: one kernel a step instead of a dozen passes over every weight; on 2 CPU cores about 4×
-    # cheaper than torch's default for-loop for the default model (docs/performance.md), equal to it
-    # within float rounding. FSDP2's sharded DTensors keep torch's default.
+    # fused: one kernel a step instead of a dozen passes over every weight, equal to torch's default
+    # for-loop within float rounding (what it saves: docs/performance.md). FSDP2's sharded DTensors
+    # keep torch's default.
     fused = not any(isinstance(p, DTensor) for p in params) or None
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
     if state_file is not None:
@@ -41,7 +41,7 @@ def adamw(model, lr, weight_decay=0.0, state_file=None):
 def optimizer_state(model, fresh=False):
     """The model folder's optimizer.safetensors, to continue AdamW from; None without one or when
     `fresh` (--fresh-optimizer)."""
-    path = os.path.join(modeling.model_dir(model), "optimizer.safetensors")
+    path = os.path.join(loading.model_dir(model), "optimizer.safetensors")
     return path if os.path.isfile(path) and not fresh else None
 
 

@@ -93,12 +93,12 @@ def same_tokenizer(a, b):
 def check_tokenizers(policy_tokenizer, args):
     """sample.py, update.py: refuse a --ref-model or --critic whose tokenizer is not the policy's (its
     log-probs or values would be of other token ids), unless --allow-mismatch."""
-    from grpo import modeling
+    from grpo import loading
 
     for path, role in ((args.ref_model, "reference"), (getattr(args, "critic", None), "critic")):
         if not path or args.allow_mismatch:
             continue
-        other = modeling.load_tokenizer(path, args.trust_remote_code)
+        other = loading.load_tokenizer(path, args.trust_remote_code)
         if not same_tokenizer(policy_tokenizer, other):
             raise StageError(f"{path}: the {role}'s tokenizer is not the policy's (vocabulary of {len(other)} "
                              f"tokens, the policy's {len(policy_tokenizer)}, or other special tokens); its "

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from grpo import distributed, math_reward, modeling, tasks
+from grpo import distributed, loading, math_reward, prompting, tasks
 from grpo.cli import StageError
 
 # Built-in rewards by the name --reward takes: the rule rewards of the built-in tasks, and `math`.
@@ -37,7 +37,7 @@ def row_fields(records):
     """The fields score.py passes a reward function for rows of these prompt records: each record's own
     (but the prompt and the stages' outputs), the row's group and completion ids, and a chat prompt's
     turns as `messages`."""
-    chat = any(modeling.chat_of(r) is not None for r in records)
+    chat = any(prompting.chat_of(r) is not None for r in records)
     own = {k for r in records for k in r} - {"prompt", "completion", *STAGE_OUTPUTS}
     return own | {"group", "completion_ids"} | ({"messages"} if chat else set())
 
@@ -71,7 +71,7 @@ def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
     if spec.endswith(".py") or os.path.isfile(spec):
         raise StageError(f"--reward {spec!r}: a Python file's reward is named with its function, "
                          f"{spec}:FUNCTION")
-    if os.path.isdir(spec) or modeling.HUB_ID.fullmatch(spec):
+    if os.path.isdir(spec) or loading.HUB_ID.fullmatch(spec):
         name = os.path.basename(os.path.normpath(spec.partition("@")[0]))
         return name, reward_model_function(spec, device, micro_batch_size, trust_remote_code)
     raise StageError(f"--reward {spec!r}: unknown reward; expected a built-in name "
@@ -106,8 +106,8 @@ def reward_model_function(path, device, micro_batch_size, trust_remote_code=Fals
     """A reward function with TRL's signature, backed by a sequence-classification model."""
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = modeling.load_tokenizer(path, trust_remote_code)
-    model = modeling.load_model(path, device, trust_remote_code, AutoModelForSequenceClassification)
+    tokenizer = loading.load_tokenizer(path, trust_remote_code)
+    model = loading.load_model(path, device, trust_remote_code, AutoModelForSequenceClassification)
     if model.config.num_labels != 1:
         raise StageError(f"{path}: a reward model must have one output (num_labels=1), "
                          f"this one has {model.config.num_labels}")

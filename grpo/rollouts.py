@@ -6,7 +6,7 @@ dynamic sampling, which keeps the groups whose rewards differ over several round
 
 import torch
 
-from grpo import groups, modeling
+from grpo import groups, modeling, prompting
 
 
 def pad_right(tensors, value):
@@ -27,7 +27,7 @@ def sample_rows(rollouts, records, texts, tokenizer):
     """samples.jsonl's rows: each row's group, prompt text and decoded completion (up to and
     including its EOS, special tokens skipped) beside its record's fields."""
     groups = rollouts["group_ids"].tolist()
-    return [modeling.sample_row(records[b], b, texts[b], tokenizer.decode(ids[mask], skip_special_tokens=True))
+    return [prompting.sample_row(records[b], b, texts[b], tokenizer.decode(ids[mask], skip_special_tokens=True))
             for b, ids, mask in zip(groups, rollouts["completion_ids"], rollouts["completion_mask"])]
 
 

@@ -1,18 +1,21 @@
-"""A training run: its own settings (the flags train.py adds to the stages'), what it holds in memory
-(the policy, with FSDP a full copy that samples, π_ref, PPO's critic, AdamW and the reward functions),
+"""A training run: its own settings (the flags train.py adds to the stages'), its records (the task's or
+its prompt files', which are held out, which each iteration takes), what it holds in memory (the
+policy, with FSDP a full copy that samples, π_ref, PPO's critic, AdamW and the reward functions),
 loaded from the base model or from the last save, and the models each iteration's stage commands name.
 """
 
 import argparse
+import json
 import os
+import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from grpo import builders, distributed, files, lora, modeling, optim, outputs, reward_specs, tasks
-from grpo.cli import ArgumentParser, StageError
+from grpo import builders, distributed, files, loading, lora, optim, outputs, prompting, reward_specs, tasks
+from grpo.cli import ArgumentParser, StageError, warn
 from grpo.settings import at_least
 
 
@@ -173,15 +176,15 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
     policy = lora.load_policy(path, device, cfg)    # with --lora-r, the base and adapters
     sampler = policy
     if cfg.fsdp and distributed.rank_and_world()[1] > 1:
-        sampler = modeling.load_model(path, device, cfg.trust_remote_code)
+        sampler = loading.load_model(path, device, cfg.trust_remote_code)
     ref = None
     if cfg.beta != 0 or cfg.kl_in_reward != 0:                   # the k1 of --kl-in-reward (PPO)
         ref = lora.load_reference(base, policy, device, cfg.trust_remote_code)
-    models = Models(base, modeling.load_tokenizer(path, cfg.trust_remote_code),
+    models = Models(base, loading.load_tokenizer(path, cfg.trust_remote_code),
                     distributed.distribute(policy, cfg.fsdp), sampler, ref)
-    max_len = modeling.prompt_room(policy, cfg.max_new_tokens)
+    max_len = prompting.prompt_room(policy, cfg.max_new_tokens)
     for rows, source, lines in records:                         # every prompt renders and fits
-        modeling.render_prompts(rows, models.tokenizer, source, max_len, lines)
+        prompting.render_prompts(rows, models.tokenizer, source, max_len, lines)
     if cfg.algo == "ppo":
         models.critic_init, models.critic = start_critic(cfg, run_dir, base, done, device)
     state = os.path.join(path, "optimizer.safetensors") if done else None
@@ -198,7 +201,7 @@ def start_critic(cfg, run_dir, base, done, device):
         builders.make_critic(cfg.critic_init or base, init, cfg.trust_remote_code)
     distributed.barrier()
     path = os.path.join(run_dir, "policy", "critic") if done else init
-    critic = distributed.distribute(modeling.load_critic(path, device, cfg.trust_remote_code), cfg.fsdp)
+    critic = distributed.distribute(loading.load_critic(path, device, cfg.trust_remote_code), cfg.fsdp)
     state = os.path.join(path, "optimizer.safetensors") if done else None
     return init, optim.Critic(critic, optim.adamw(critic, cfg.lr, cfg.weight_decay, state))
 
@@ -224,3 +227,59 @@ def with_outputs(samples, rewards, components, skipped, advantages, completion_m
         rows.append({**row, "reward": None if skipped[n] else rewards[n].item(), "rewards": per_function,
                      "advantage": advantages[n].item()})
     return rows
+
+
+def iteration_records(train, i, B, seed):
+    """The B training records of iteration i: consecutive slots of a seeded shuffle per pass."""
+    records = []
+    for k in range(i * B, (i + 1) * B):
+        epoch, j = divmod(k, len(train))
+        order = list(range(len(train)))
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        records.append(train[order[j]])
+    return records
+
+
+def read_prompt_file(path):
+    """The records of a prompt file (train.py's --prompts or --eval-prompts-file), each checked for what
+    sample.py reads, and the line of each."""
+    records, lines = files.read_jsonl(path, with_lines=True)
+    for record, line in zip(records, lines):
+        prompting.check_prompt_record(record, f"{path}, line {line}")
+    return records, lines
+
+
+def run_records(task, seed, prompts="", eval_prompts_file="", eval_prompts=0):
+    """A run's training and held-out records, and where each comes from: the task's, or those of the
+    prompt files given in their place. With --prompts and no --eval-prompts-file, `eval_prompts`
+    records of --prompts, a seeded choice, are held out and not trained on (none with 0).
+
+    Returns (train, held_out, where): where["train"] and where["held_out"] are (file, line of each
+    record) for messages (the task's name and None for a task's records), and where["held_out_lines"]
+    the lines of --prompts held out. Read before the run folder exists: a bad file stops the run with
+    nothing written."""
+    train, held_out, _ = tasks.make_task(task, seed)
+    where = {"train": (f"task {task}", None), "held_out": (f"task {task}", None), "held_out_lines": None}
+    if prompts:
+        train, lines = read_prompt_file(prompts)
+        where["train"] = (prompts, lines)
+        if not eval_prompts_file and eval_prompts:
+            if eval_prompts >= len(train):
+                raise StageError(f"--prompts {prompts}: holding out --eval-prompts {eval_prompts} of its "
+                                 f"{len(train)} records for evaluation would leave none to train on; pass "
+                                 f"--eval-prompts-file FILE, a smaller --eval-prompts, or --eval-every 0")
+            chosen = set(random.Random(f"{seed}/held-out").sample(range(len(train)), eval_prompts))
+            held_out = [r for i, r in enumerate(train) if i in chosen]
+            where["held_out"] = (prompts, [line for i, line in enumerate(lines) if i in chosen])
+            where["held_out_lines"] = where["held_out"][1]
+            train = [r for i, r in enumerate(train) if i not in chosen]
+            where["train"] = (prompts, [line for i, line in enumerate(lines) if i not in chosen])
+    if eval_prompts_file:
+        held_out, lines = read_prompt_file(eval_prompts_file)
+        where["held_out"] = (eval_prompts_file, lines)
+        seen = {json.dumps(r, sort_keys=True) for r in train}
+        shared = sum(json.dumps(r, sort_keys=True) in seen for r in held_out)
+        if shared:
+            warn(f"--eval-prompts-file {eval_prompts_file}: {shared} of its {len(held_out)} records are also "
+                 f"training records, so the held-out score measures prompts the policy trains on")
+    return train, held_out, where

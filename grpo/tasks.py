@@ -13,7 +13,7 @@ regular expression and compared as canonical strings, never parsed as code or co
 Python int (whose size would be up to the model).
 
 Tasks (`make_task(name, seed)` returns train and held-out records and the rewards to use;
-`iteration_records` picks the records each iteration of train.py sees):
+grpo/runs.py picks the records each iteration of train.py sees):
 - arithmetic: "What is a plus b? Answer in one short sentence." as a chat, a and b two-digit
   numbers; reward exact_answer (1 when the last number of the reply is the sum). The default
   job's task. The base SmolLM2-135M-Instruct gets about 10% of samples right at τ = 0.7 within
@@ -24,13 +24,9 @@ Tasks (`make_task(name, seed)` returns train and held-out records and the reward
   in that class (dense, in [0, 1]; a random model starts near 0.1 to 0.25).
 """
 
-import json
 import random
 import re
 import string
-
-from grpo import files, modeling
-from grpo.cli import StageError, warn
 
 # A number, with thousands separators ("1,234") or without; linear time on any text.
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -122,64 +118,8 @@ TASKS = {
 }
 
 
-def iteration_records(train, i, B, seed):
-    """The B training records of iteration i: consecutive slots of a seeded shuffle per pass."""
-    records = []
-    for k in range(i * B, (i + 1) * B):
-        epoch, j = divmod(k, len(train))
-        order = list(range(len(train)))
-        random.Random(f"{seed}/{epoch}").shuffle(order)
-        records.append(train[order[j]])
-    return records
-
-
 def make_task(name, seed):
     """(train records, held-out records, reward names) of a built-in task."""
     build, rewards = TASKS[name]
     train, held_out = build(seed)
     return train, held_out, rewards
-
-
-def read_prompt_file(path):
-    """The records of a prompt file (train.py's --prompts or --eval-prompts-file), each checked for what
-    sample.py reads, and the line of each."""
-    records, lines = files.read_jsonl(path, with_lines=True)
-    for record, line in zip(records, lines):
-        modeling.check_prompt_record(record, f"{path}, line {line}")
-    return records, lines
-
-
-def run_records(task, seed, prompts="", eval_prompts_file="", eval_prompts=0):
-    """A run's training and held-out records, and where each comes from: the task's, or those of the
-    prompt files given in their place. With --prompts and no --eval-prompts-file, `eval_prompts`
-    records of --prompts, a seeded choice, are held out and not trained on (none with 0).
-
-    Returns (train, held_out, where): where["train"] and where["held_out"] are (file, line of each
-    record) for messages (the task's name and None for a task's records), and where["held_out_lines"]
-    the lines of --prompts held out. Read before the run folder exists: a bad file stops the run with
-    nothing written."""
-    train, held_out, _ = make_task(task, seed)
-    where = {"train": (f"task {task}", None), "held_out": (f"task {task}", None), "held_out_lines": None}
-    if prompts:
-        train, lines = read_prompt_file(prompts)
-        where["train"] = (prompts, lines)
-        if not eval_prompts_file and eval_prompts:
-            if eval_prompts >= len(train):
-                raise StageError(f"--prompts {prompts}: holding out --eval-prompts {eval_prompts} of its "
-                                 f"{len(train)} records for evaluation would leave none to train on; pass "
-                                 f"--eval-prompts-file FILE, a smaller --eval-prompts, or --eval-every 0")
-            chosen = set(random.Random(f"{seed}/held-out").sample(range(len(train)), eval_prompts))
-            held_out = [r for i, r in enumerate(train) if i in chosen]
-            where["held_out"] = (prompts, [line for i, line in enumerate(lines) if i in chosen])
-            where["held_out_lines"] = where["held_out"][1]
-            train = [r for i, r in enumerate(train) if i not in chosen]
-            where["train"] = (prompts, [line for i, line in enumerate(lines) if i not in chosen])
-    if eval_prompts_file:
-        held_out, lines = read_prompt_file(eval_prompts_file)
-        where["held_out"] = (eval_prompts_file, lines)
-        seen = {json.dumps(r, sort_keys=True) for r in train}
-        shared = sum(json.dumps(r, sort_keys=True) in seen for r in held_out)
-        if shared:
-            warn(f"--eval-prompts-file {eval_prompts_file}: {shared} of its {len(held_out)} records are also "
-                 f"training records, so the held-out score measures prompts the policy trains on")
-    return train, held_out, where

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, cli
 from safetensors.torch import load_file, save_file
 
-from grpo import builders, checkpoints, files, modeling
+from grpo import builders, checkpoints, files, loading, modeling
 from grpo.cli import StageError
 from test_update import rollouts_of, run_update
 
@@ -107,7 +107,7 @@ def test_sample_killed_leaves_the_previous_rollouts(models, prompts_file, tmp_pa
 def test_non_finite_step_is_skipped_and_counted(models, rollout_dir):
     rollouts = rollouts_of(rollout_dir)
     huge = torch.full((rollouts["group_ids"].numel(),), 3e38)   # finite, but the loss and gradient overflow
-    start = modeling.load_model(models["policy"], "cpu").state_dict()
+    start = loading.load_model(models["policy"], "cpu").state_dict()
     policy, m = run_update(models["policy"], rollouts, huge, minibatch_size=8, max_bad_steps=5)
     assert m["skipped_steps"] == 2 and m["optimizer_steps"] == 0
     _, stepped = run_update(models["policy"], rollouts, torch.zeros_like(huge), minibatch_size=8)
@@ -152,7 +152,7 @@ def test_every_stage_bounds_its_forward_passes_by_micro_batch_size(models, rollo
                                                                    monkeypatch):
     """32 rows through each stage with --micro-batch-size 5: no forward pass sees more than 5 rows."""
     loaded = []
-    real = modeling.load_model
+    real = loading.load_model
 
     def recording_load(*a, **k):
         model = real(*a, **k)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import update
-from grpo import builders, checkpoints, files, modeling, optim
+from grpo import builders, checkpoints, files, loading, optim
 from grpo.cli import StageError
 
 
@@ -50,8 +50,8 @@ def test_checkpoint_loads_to_the_same_weights(tmp_path, tied):
 def test_background_save_writes_what_a_plain_save_writes(tmp_path, models):
     """The saver's thread writes the same files as a plain save, and its error reaches the caller.
     (That training waits for it before changing the weights is tests/test_train.py's.)"""
-    model = modeling.load_model(models["policy"], "cpu")
-    tok = modeling.load_tokenizer(models["policy"])
+    model = loading.load_model(models["policy"], "cpu")
+    tok = loading.load_tokenizer(models["policy"])
     optimizer = optim.adamw(model, 1e-3)
     model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
     optimizer.step()
@@ -73,8 +73,8 @@ def test_background_save_writes_what_a_plain_save_writes(tmp_path, models):
 
 @pytest.mark.parametrize("code, text", [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system")])
 def test_a_failed_write_keeps_the_last_good_files(tmp_path, models, monkeypatch, code, text):
-    model = modeling.load_model(models["policy"], "cpu")
-    tok = modeling.load_tokenizer(models["policy"])
+    model = loading.load_model(models["policy"], "cpu")
+    tok = loading.load_tokenizer(models["policy"])
     ckpt = tmp_path / "ckpt"
     checkpoints.save_checkpoint(model, tok, str(ckpt))
     before = (ckpt / "model.safetensors").read_bytes()
@@ -97,10 +97,10 @@ def test_a_failed_write_keeps_the_last_good_files(tmp_path, models, monkeypatch,
 
 
 def test_a_replace_cut_short_is_recovered(tmp_path, models):
-    model = modeling.load_model(models["policy"], "cpu")
-    tok = modeling.load_tokenizer(models["policy"])
+    model = loading.load_model(models["policy"], "cpu")
+    tok = loading.load_tokenizer(models["policy"])
     ckpt = tmp_path / "ckpt"
     checkpoints.save_checkpoint(model, tok, str(ckpt))
     os.rename(ckpt, str(ckpt) + ".old")        # a kill between replace_dir's two renames
-    assert modeling.load_model(str(ckpt), "cpu") is not None
+    assert loading.load_model(str(ckpt), "cpu") is not None
     assert ckpt.is_dir() and not os.path.exists(str(ckpt) + ".old")

@@ -31,7 +31,7 @@ import sample
 import score
 import train
 import update
-from grpo import evaluation, modeling, run_log, runs
+from grpo import evaluation, loading, run_log, runs
 
 STAGES = {"sample.py": (sample, ["--model", "m", "--prompts", "p"]),
           "score.py": (score, ["--rollouts", "r", "--samples", "s", "--reward", "char_class"]),
@@ -251,8 +251,8 @@ def test_the_held_out_evaluation_shows_progress(models, monkeypatch):
             pass
 
     monkeypatch.setattr(evaluation, "tqdm", Bar)
-    tok = modeling.load_tokenizer(models["policy"])
-    policy = modeling.load_model(models["policy"], "cpu")
+    tok = loading.load_tokenizer(models["policy"])
+    policy = loading.load_model(models["policy"], "cpu")
     records = [{"prompt": "1+1="}, {"prompt": "2+2="}, {"prompt": "3+3="}]
     score_fn = lambda rows, rollouts: (torch.zeros(len(rows)), {}, torch.zeros(len(rows), dtype=torch.bool))  # noqa: E731
     evaluation.greedy_answers(policy, tok, records, score_fn, max_new_tokens=5, micro_batch_size=2)

@@ -89,7 +89,7 @@ def test_hub_id_errors_are_one_line(hub):
     (the stages print it as one line; here in one process, to pay for the imports once)."""
     script = ("from grpo import modeling\nfrom grpo.cli import StageError\n"
               "for spec in ['tiny-org/pickle-only', 'tiny-org/not-cached', 'tiny-org/tiny-llama@v9']:\n"
-              "    try:\n        modeling.load_model(spec, 'cpu')\n        print('loaded', spec)\n"
+              "    try:\n        loading.load_model(spec, 'cpu')\n        print('loaded', spec)\n"
               "    except StageError as e:\n        print(e)\n")
     env = {**os.environ, "HF_HOME": str(hub["home"]), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)

@@ -11,7 +11,7 @@ import torch
 from conftest import cli, replay_iteration
 from safetensors.torch import load_file
 
-from grpo import lora, modeling
+from grpo import fast_decode, loading, lora, modeling, prompting
 
 # The tiny model learns from scratch, mostly in its (tied) embedding table: its adapters include the LM
 # head, which peft's all-linear leaves out. With all-linear it did not learn in 30 iterations (mean
@@ -51,14 +51,14 @@ def test_only_the_adapters_change_and_the_reference_is_the_base(lora_run, prompt
     from argparse import Namespace
 
     policy = lora.load_policy(str(lora_run / "policy"), "cpu", Namespace(trust_remote_code=False))
-    base = modeling.load_model(str(lora_run / "base_model"), "cpu")
+    base = loading.load_model(str(lora_run / "base_model"), "cpu")
     inside = policy.get_base_model().state_dict()
     for name, w in base.state_dict().items():                        # the frozen weights are the base's
         key = next(k for k in inside if k.replace(".base_layer", "") == name)
         assert torch.equal(inside[key], w), name
     assert max(p.abs().max().item() for n, p in policy.named_parameters() if "lora_B" in n) > 1e-3
-    tok = modeling.load_tokenizer(str(lora_run / "policy"))
-    ids, mask = modeling.left_pad([tok(t)["input_ids"] for t in ["digits:", "upper:"]], tok.pad_token_id)
+    tok = loading.load_tokenizer(str(lora_run / "policy"))
+    ids, mask = prompting.left_pad([tok(t)["input_ids"] for t in ["digits:", "upper:"]], tok.pad_token_id)
     completion = torch.tensor([[5, 6, 7], [8, 9, 10]])
     rollouts = {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
                 "completion_mask": torch.ones_like(completion, dtype=torch.bool)}
@@ -141,7 +141,7 @@ def test_the_merged_checkpoint_computes_what_base_and_adapters_do(lora_run, tmp_
 
     main(["--merge", str(lora_run / "policy"), "--out", str(tmp_path / "merged")])
     assert os.path.isfile(tmp_path / "merged" / "model.safetensors")
-    merged = modeling.load_model(str(tmp_path / "merged"), "cpu")
+    merged = loading.load_model(str(tmp_path / "merged"), "cpu")
     policy = lora.load_policy(str(lora_run / "policy"), "cpu", Namespace(trust_remote_code=False))
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_the_merged_checkpoint_computes_what_base_and_adapters_do(lora_run, tmp_
 
 
 def test_the_samplers_packed_products_reach_the_adapters_and_compute_what_peft_does(lora_run):
-    """modeling.decode_linears under LoRA (sample.rollout's CPU products): the base layer and both
+    """fast_decode.decode_linears under LoRA (sample.rollout's CPU products): the base layer and both
     adapters of every wrapped linear are packed, and the trained adapters' logits are peft's own
     within float32 rounding."""
     from argparse import Namespace
@@ -158,7 +158,7 @@ def test_the_samplers_packed_products_reach_the_adapters_and_compute_what_peft_d
     ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     with torch.inference_mode():
         plain = policy(input_ids=ids).logits
-        with modeling.decode_linears(policy, 2):
+        with fast_decode.decode_linears(policy, 2):
             packed = {name.rsplit(".", 2)[-2] if ".default" in name else name.rsplit(".", 1)[-1]
                       for name, m in policy.named_modules() if "forward" in vars(m)}
             fast = policy(input_ids=ids).logits

@@ -24,7 +24,7 @@ import torch
 from conftest import PROMPTS, assert_user_error, cli, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from grpo import builders, outputs, tasks
+from grpo import builders, outputs, runs, tasks
 from grpo.cli import StageError
 
 TINY_RUN = ["--config", "tiny", "--iterations", 2, "--eval-every", 0, "--num-prompts", 2, "--group-size", 4]
@@ -246,7 +246,7 @@ def test_surprises_are_said(models, tmp_path, capsys):
     assert tasks.exact_answer(None, ["4", "4"], [None, ""]) == [None, None]          # does not apply, as math
     assert tasks.exact_answer(None, ["it is 4", "5"], ["4", "4"]) == [1.0, 0.0]
     train_file = write_jsonl(tmp_path / "train.jsonl", PROMPTS * 3)
-    tasks.run_records("arithmetic", 0, train_file, train_file, 0)
+    runs.run_records("arithmetic", 0, train_file, train_file, 0)
     assert "the held-out score measures prompts the policy trains on" in capsys.readouterr().err
     groups = load_file(tmp_path / "s" / "rollouts.safetensors")["group_ids"]
     save_file({"advantages": torch.zeros(len(groups)), "group_ids": groups}, str(tmp_path / "zero.safetensors"))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import advantage
 import update
-from grpo import builders, diagnostics, modeling
+from grpo import builders, diagnostics, loading, modeling
 
 TOKEN_COUNT = os.path.join(os.path.dirname(__file__), "rewards_for_tests.py") + ":token_count"
 
@@ -185,7 +185,7 @@ def test_explained_variance():
 def critic(models, tmp_path_factory):
     """A critic made from the tiny policy, with a random head so that its values are not all zero."""
     path = builders.make_critic(models["policy"], str(tmp_path_factory.mktemp("critic") / "critic"))
-    model = modeling.load_critic(path, "cpu")
+    model = loading.load_critic(path, "cpu")
     head = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
     assert head.weight.abs().max() == 0                # make_critic's head starts at zero: V = 0
     with torch.no_grad():
@@ -195,7 +195,7 @@ def critic(models, tmp_path_factory):
 
 
 def test_critic_values_are_aligned_with_the_logprobs(critic, rollout_dir):
-    model = modeling.load_critic(critic, "cpu")
+    model = loading.load_critic(critic, "cpu")
     roll = load_file(rollout_dir / "rollouts.safetensors")
     batched = modeling.rollout_values(model, roll, 5)                   # [N, T], rows padded together
     for i in (0, 5, 9):
@@ -239,7 +239,7 @@ def ppo_iteration(models, critic, prompts_file, tmp_path_factory):
 def test_sample_writes_the_critics_values(ppo_iteration, critic):
     roll = load_file(ppo_iteration / "rollouts.safetensors")
     assert roll["values"].dtype == torch.float32 and roll["values"].shape == roll["old_logprobs"].shape
-    expected = modeling.rollout_values(modeling.load_critic(critic, "cpu"), roll, 0)
+    expected = modeling.rollout_values(loading.load_critic(critic, "cpu"), roll, 0)
     torch.testing.assert_close(roll["values"], expected, atol=1e-5, rtol=0)
     assert (roll["values"][~roll["completion_mask"]] == 0).all() and roll["values"].abs().max() > 0
 

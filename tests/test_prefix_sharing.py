@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 import sample
 import update
-from grpo import builders, files, modeling, optim
+from grpo import builders, files, loading, modeling, optim, prompting
 
 CLIP_GRADIENTS = optim.clip_gradients
 
@@ -17,7 +17,7 @@ CLIP_GRADIENTS = optim.clip_gradients
 def critic(models, tmp_path_factory):
     """A critic made from the tiny policy, with a random head (its values are not all zero)."""
     path = builders.make_critic(models["policy"], str(tmp_path_factory.mktemp("critic") / "critic"))
-    model = modeling.load_critic(path, "cpu")
+    model = loading.load_critic(path, "cpu")
     torch.manual_seed(0)
     torch.nn.init.normal_(model.score.weight)
     model.save_pretrained(path)
@@ -59,7 +59,7 @@ def test_sample_prefills_each_prompt_once_and_draws_what_the_unshared_path_draws
         assert shared[key].abs().max() > 0, key
 
     # The sampler's prefill runs the distinct prompts of each micro-batch once.
-    policy = modeling.load_model(models["policy"], "cpu")
+    policy = loading.load_model(models["policy"], "cpu")
     shapes = forward_rows(policy)
     rows = slice(2, 8)                                       # rows of groups 0 and 1: two prompts
     g = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def test_update_gradients_and_metrics_equal_the_unshared_path(models, rollout_di
             ratio_level, "--old-logprobs", "recompute", "--clip-eps", 0.1, *batching]
     runs = []
     for extra in ([], ["--no-prefix-sharing"]):
-        policy = modeling.load_model(models["policy"], "cpu")
+        policy = loading.load_model(models["policy"], "cpu")
         shapes = forward_rows(policy)
         runs.append((*recorded_steps(policy, rollouts, advantages, argv + extra, monkeypatch=monkeypatch), shapes))
     (shared, m_shared, s_shared), (plain, m_plain, s_plain) = runs
@@ -140,7 +140,7 @@ def test_ppo_critic_shares_the_prefix_too(models, critic, rollout_dir, monkeypat
             "--value-clip", 0.5]
     runs = []
     for extra in ([], ["--no-prefix-sharing"]):
-        policy, value_model = modeling.load_model(models["policy"], "cpu"), modeling.load_critic(critic, "cpu")
+        policy, value_model = loading.load_model(models["policy"], "cpu"), loading.load_critic(critic, "cpu")
         shapes = forward_rows(value_model)
         grads, metrics = recorded_steps(policy, rollouts, advantages, argv + extra, value_model, returns, monkeypatch)
         runs.append((grads, metrics, shapes))
@@ -164,8 +164,8 @@ def test_a_model_without_a_plain_kv_cache_falls_back_with_one_warning(tmp_path, 
                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     builders.save_checkpoint(MistralForCausalLM(config), tok, str(tmp_path / "mistral"))
-    model = modeling.load_model(str(tmp_path / "mistral"), "cpu")
-    ids, mask = modeling.left_pad([tok("What is 2 + 3?")["input_ids"], tok("1+1=")["input_ids"]], tok.pad_token_id)
+    model = loading.load_model(str(tmp_path / "mistral"), "cpu")
+    ids, mask = prompting.left_pad([tok("What is 2 + 3?")["input_ids"], tok("1+1=")["input_ids"]], tok.pad_token_id)
     ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
     out = []
     for share in (True, False, True):

@@ -8,7 +8,7 @@ from conftest import PROMPTS, assert_user_error, cli, write_jsonl
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from grpo import builders, modeling
+from grpo import builders, loading
 
 
 def test_rollouts_contract(rollout_dir):
@@ -39,8 +39,8 @@ def test_rollouts_contract(rollout_dir):
 
 def test_masks_end_at_the_first_eos(models, rollout_dir):
     r = load_file(rollout_dir / "rollouts.safetensors")
-    eos = modeling.load_tokenizer(models["policy"]).eos_token_id
-    pad = modeling.load_tokenizer(models["policy"]).pad_token_id
+    eos = loading.load_tokenizer(models["policy"]).eos_token_id
+    pad = loading.load_tokenizer(models["policy"]).pad_token_id
     ended = 0
     for ids, mask, truncated in zip(r["completion_ids"], r["completion_mask"], r["truncated"]):
         length = int(mask.sum())
@@ -61,7 +61,7 @@ def test_pad_token_sampled_before_eos_stays_in_the_mask(models, rollout_dir):
     # The tiny model samples <pad> as an ordinary token now and then. A mask derived from the pad
     # id would be false there; the contract says it is true up to the first EOS.
     r = load_file(rollout_dir / "rollouts.safetensors")
-    tok = modeling.load_tokenizer(models["policy"])
+    tok = loading.load_tokenizer(models["policy"])
     assert tok.pad_token_id != tok.eos_token_id
     sampled_pad = (r["completion_ids"] == tok.pad_token_id) & r["completion_mask"]
     assert sampled_pad.any(), "pick a seed under which <pad> is sampled inside a completion"
@@ -73,7 +73,7 @@ def test_logprobs_match_unpadded_row_by_row_recomputation(models, rollout_dir):
     r = load_file(rollout_dir / "rollouts.safetensors")
     assert r["prompt_mask"].sum(1).unique().numel() > 1                 # prompts of several lengths: padding
     for key, model_dir in (("old_logprobs", models["policy"]), ("ref_logprobs", models["ref"])):
-        model = modeling.load_model(model_dir, "cpu")
+        model = loading.load_model(model_dir, "cpu")
         for i in range(r["group_ids"].numel()):
             prompt = r["prompt_ids"][i][r["prompt_mask"][i]][None]
             completion = r["completion_ids"][i][r["completion_mask"][i]][None]
@@ -87,7 +87,7 @@ def test_logprobs_match_unpadded_row_by_row_recomputation(models, rollout_dir):
 def test_samples_jsonl(models, rollout_dir):
     rows = [json.loads(line) for line in open(rollout_dir / "samples.jsonl")]
     assert len(rows) == 16
-    tok = modeling.load_tokenizer(models["policy"])
+    tok = loading.load_tokenizer(models["policy"])
     r = load_file(rollout_dir / "rollouts.safetensors")
     for i, row in enumerate(rows):
         g = i // 4
@@ -157,15 +157,15 @@ def test_tokenizer_without_pad_token_is_handled(tmp_path, prompts_file):
 
 
 def test_prompt_as_a_list_of_chat_turns_is_rendered_like_messages(models):
-    from grpo import modeling
+    from grpo import loading, prompting
 
-    tok = modeling.load_tokenizer(models["policy"])
+    tok = loading.load_tokenizer(models["policy"])
     chat = [{"role": "user", "content": "9+1?"}]
-    as_messages = modeling.render_prompts([{"messages": chat}], tok, "p", None)
-    as_prompt = modeling.render_prompts([{"prompt": chat}], tok, "p", None)
+    as_messages = prompting.render_prompts([{"messages": chat}], tok, "p", None)
+    as_prompt = prompting.render_prompts([{"prompt": chat}], tok, "p", None)
     assert as_messages == as_prompt and as_prompt[0][0] != "9+1?"
     # samples.jsonl keeps the text the model saw as "prompt" and the turns as "messages" in either style.
-    row = modeling.sample_row({"prompt": chat, "answer": "10"}, 0, as_prompt[0][0], "ten")
+    row = prompting.sample_row({"prompt": chat, "answer": "10"}, 0, as_prompt[0][0], "ten")
     assert row == {"group": 0, "prompt": as_prompt[0][0], "completion": "ten", "answer": "10", "messages": chat}
-    assert modeling.sample_row({"prompt": "1+1=", "answer": "2"}, 1, "1+1=", "2") == {
+    assert prompting.sample_row({"prompt": "1+1=", "answer": "2"}, 1, "1+1=", "2") == {
         "group": 1, "prompt": "1+1=", "completion": "2", "answer": "2"}

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import GenerationConfig
 
 import sample
-from grpo import modeling
+from grpo import fast_decode, loading, modeling, prompting
 
 
 def probs(z):
@@ -37,15 +37,15 @@ def test_truncation_against_hand_computed_distributions():
 
 @pytest.fixture(scope="module")
 def tiny(models):
-    tok = modeling.load_tokenizer(models["policy"])
-    policy = modeling.load_model(models["policy"], "cpu")
-    ids, mask = modeling.left_pad([tok(t)["input_ids"] for t in ["1+1=", "What is 2 + 3?", "abc"]], tok.pad_token_id)
+    tok = loading.load_tokenizer(models["policy"])
+    policy = loading.load_model(models["policy"], "cpu")
+    ids, mask = prompting.left_pad([tok(t)["input_ids"] for t in ["1+1=", "What is 2 + 3?", "abc"]], tok.pad_token_id)
     return tok, policy, ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
 
 
 def draw(tiny, temperature, seed=0, **knobs):
     tok, policy, ids, mask = tiny
-    return sample.sample_completions(policy, ids, mask, 12, temperature, modeling.eos_token_ids(tok, policy),
+    return sample.sample_completions(policy, ids, mask, 12, temperature, loading.eos_token_ids(tok, policy),
                                      tok.pad_token_id, torch.Generator().manual_seed(seed), **knobs)
 
 
@@ -74,7 +74,7 @@ def test_a_top_k_beyond_the_vocabulary_keeps_every_token(tiny):
 def test_top_k_one_is_greedy_decoding_at_any_temperature(tiny, temperature):
     tok, policy, ids, mask = tiny
     completion_ids, completion_mask, _, _ = draw(tiny, temperature, seed=int(temperature * 10), top_k=1)
-    config = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=modeling.eos_token_ids(tok, policy),
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=loading.eos_token_ids(tok, policy),
                               pad_token_id=tok.pad_token_id)
     greedy = policy.generate(input_ids=ids, attention_mask=mask.long(), generation_config=config)[:, ids.shape[1]:]
     for row in range(len(ids)):
@@ -97,7 +97,7 @@ def test_the_knobs_are_recorded_and_checked(models, prompts_file, tmp_path):
 
 
 def test_the_packed_onednn_products_give_the_same_logits_and_draws_and_are_removed_after(tiny, monkeypatch):
-    """modeling.decode_linears (sample.rollout's CPU products): every plain linear of the model, the
+    """fast_decode.decode_linears (sample.rollout's CPU products): every plain linear of the model, the
     LM head included, within float32 rounding of F.linear at the decode step's rows and at a
     prefill's, the same completions for a seed, and nn.Linear's own forward again after the block."""
     tok, policy, ids, mask = tiny
@@ -106,7 +106,7 @@ def test_the_packed_onednn_products_give_the_same_logits_and_draws_and_are_remov
     x = {m: torch.randn(5, 3, m.in_features, generator=torch.Generator().manual_seed(0)) for m in linears}
     with torch.inference_mode():
         plain = {m: m(x[m]) for m in linears}
-        with modeling.decode_linears(policy, 24):
+        with fast_decode.decode_linears(policy, 24):
             assert all("forward" in vars(m) for m in linears)                # the lever is on for this model
             fast = {m: m(x[m]) for m in linears}
             drawn = draw(tiny, 1.0)
@@ -117,9 +117,9 @@ def test_the_packed_onednn_products_give_the_same_logits_and_draws_and_are_remov
     assert torch.equal(drawn[0], plain_drawn[0])
     torch.testing.assert_close(drawn[2], plain_drawn[2], rtol=0, atol=1e-5)
     head = policy.get_output_embeddings()
-    with modeling.decode_linears(policy, 24):
+    with fast_decode.decode_linears(policy, 24):
         packed = head.forward
-        with modeling.decode_linears(policy, 24):                    # a nested block leaves them be
+        with fast_decode.decode_linears(policy, 24):                    # a nested block leaves them be
             assert head.forward is packed
         assert head.forward is packed
         with torch.inference_mode():
@@ -132,7 +132,7 @@ def test_the_packed_onednn_products_give_the_same_logits_and_draws_and_are_remov
     assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], head.weight.grad)
     assert not any("forward" in vars(m) for m in linears)
     monkeypatch.setattr(modeling, "ONEDNN_DECODE", False)
-    with modeling.decode_linears(policy, 24):
+    with fast_decode.decode_linears(policy, 24):
         assert not any("forward" in vars(m) for m in linears)
 
 
@@ -159,16 +159,16 @@ def test_the_draw_is_torch_multinomials_token_for_token_and_leaves_the_generator
 
 @pytest.mark.parametrize("share_prefix", [True, False])
 def test_the_preallocated_kv_cache_draws_what_the_concatenating_one_draws(tiny, monkeypatch, share_prefix):
-    """The sampler's cache (grpo/kv_cache.py) holds its keys and values in buffers made once; the
+    """The sampler's cache (grpo/fast_decode.py) holds its keys and values in buffers made once; the
     completions, masks and log π_old are bit for bit those of transformers' DynamicLayer, which
     concatenates at every step, and every layer of the sampler's cache is a PreallocatedLayer."""
-    from grpo import kv_cache
+    from grpo import fast_decode
     made = []
-    monkeypatch.setattr(kv_cache, "preallocate", lambda cache, room, real=kv_cache.preallocate:
+    monkeypatch.setattr(fast_decode, "preallocate", lambda cache, room, real=fast_decode.preallocate:
                         made.append(real(cache, room)) or made[-1])
     fast = draw(tiny, 1.0, share_prefix=share_prefix)
-    assert made and all(type(layer) is kv_cache.PreallocatedLayer for layer in made[0].layers)
-    monkeypatch.setattr(kv_cache, "preallocate", lambda cache, room: cache)
+    assert made and all(type(layer) is fast_decode.PreallocatedLayer for layer in made[0].layers)
+    monkeypatch.setattr(fast_decode, "preallocate", lambda cache, room: cache)
     plain = draw(tiny, 1.0, share_prefix=share_prefix)
     for a, b in zip(fast, plain):
         assert torch.equal(a, b)
@@ -181,7 +181,7 @@ def test_a_preallocated_layer_grows_past_its_room_and_follows_a_reorder():
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    from grpo.kv_cache import PreallocatedLayer
+    from grpo.fast_decode import PreallocatedLayer
     g = torch.Generator().manual_seed(0)
     step = lambda n=4: (torch.randn(n, 2, 1, 8, generator=g), torch.randn(n, 2, 1, 8, generator=g))  # noqa: E731
     plain = DynamicLayer()
@@ -204,6 +204,6 @@ def test_a_preallocated_layer_grows_past_its_room_and_follows_a_reorder():
             fast.reorder_cache(order), plain.reorder_cache(order)
     assert fast.get_seq_length() == plain.get_seq_length() == 6               # 1 + 3 − 2 + 1 + 3
     assert fast.keys.shape[0] == 2
-    from grpo.kv_cache import preallocate
+    from grpo.fast_decode import preallocate
     with pytest.raises(RuntimeError, match="without gradients"):             # it writes in place
         preallocate(DynamicCache(), 2)

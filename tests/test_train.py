@@ -194,9 +194,9 @@ def test_config_file_starts_a_run_from_json(tiny_run, tmp_path):
 def test_held_out_answers_do_not_depend_on_the_micro_batch(models):
     from conftest import PROMPTS
 
-    from grpo import evaluation, modeling
+    from grpo import evaluation, loading
 
-    model, tok = modeling.load_model(models["policy"], "cpu"), modeling.load_tokenizer(models["policy"])
+    model, tok = loading.load_model(models["policy"], "cpu"), loading.load_tokenizer(models["policy"])
     records = PROMPTS * 2                                       # prompts of different lengths, 8 rows
     lengths_seen = []
 

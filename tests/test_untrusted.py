@@ -12,7 +12,7 @@ from conftest import ROOT, assert_user_error, cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo import modeling, tasks
+from grpo import loading, tasks
 
 HOSTILE = [
     "__import__('os').system('touch {marker}')",
@@ -90,7 +90,7 @@ def test_no_code_path_unpickles_or_evaluates():
 def test_a_pickled_checkpoint_is_refused(models, tmp_path):
     folder = tmp_path / "pickled"
     folder.mkdir()
-    model = modeling.load_model(models["policy"], "cpu")
+    model = loading.load_model(models["policy"], "cpu")
     model.config.save_pretrained(folder)
     torch.save(model.state_dict(), folder / "pytorch_model.bin")     # what an old or hostile folder holds
     for name in os.listdir(models["policy"]):

@@ -11,7 +11,7 @@ from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from grpo import files, modeling, optim
+from grpo import files, loading, modeling, optim
 import update
 
 LN2 = math.log(2.0)
@@ -91,8 +91,8 @@ def test_log_probs_and_entropy_have_the_formulas_values_and_gradients_in_any_chu
 
 
 def test_left_padding_does_not_change_logprobs(models):
-    policy = modeling.load_model(models["policy"], "cpu")
-    tok = modeling.load_tokenizer(models["policy"])
+    policy = loading.load_model(models["policy"], "cpu")
+    tok = loading.load_tokenizer(models["policy"])
     short, long = tok("1+1=")["input_ids"], tok("What is 12 plus 30?")["input_ids"]
     completion = torch.tensor([tok("42")["input_ids"] + [tok.eos_token_id]] * 2)           # [2, 3]
     P = len(long)
@@ -116,7 +116,7 @@ def run_update(model_dir, rollouts, advantages, **flags):
     for name, value in flags.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
     args = update.parse_args(argv)
-    policy = modeling.load_model(model_dir, "cpu")
+    policy = loading.load_model(model_dir, "cpu")
     optimizer = optim.adamw(policy, args.lr)
     return policy, update.train_policy(policy, optimizer, rollouts, advantages, args)
 
@@ -283,7 +283,7 @@ def test_gradient_checkpointing_recomputes_and_takes_the_same_step(models, rollo
     calls = []
 
     def counting_load(path, device):
-        model = modeling.load_model(path, device)
+        model = loading.load_model(path, device)
         model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
         return model
 

@@ -16,7 +16,7 @@ import torch
 from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 
-from grpo import modeling
+from grpo import loading, modeling
 
 LN2 = math.log(2.0)
 K1, K2, K3 = -LN2, LN2 ** 2 / 2, 2.0 - LN2 - 1.0     # x = log π_ref − log π_θ = ln 2
@@ -26,7 +26,7 @@ BETA = 0.1
 @pytest.fixture(scope="module")
 def hand_files(models, tmp_path_factory):
     d = tmp_path_factory.mktemp("variants")
-    tok = modeling.load_tokenizer(models["policy"])
+    tok = loading.load_tokenizer(models["policy"])
     prompts = [tok(p)["input_ids"] for p in ["1+1=", "What is 12 plus 30?", "7?"]]
     P = max(map(len, prompts))
     prompt_ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in prompts])           # [3, P]
@@ -34,7 +34,7 @@ def hand_files(models, tmp_path_factory):
     completion_ids = torch.tensor([tok("42.")["input_ids"], tok("ok")["input_ids"] + [tok.pad_token_id],
                                    tok("9")["input_ids"] + [tok.pad_token_id] * 2])             # [3, 3]
     completion_mask = torch.tensor([[True, True, True], [True, True, False], [True, False, False]])
-    policy = modeling.load_model(models["policy"], "cpu")
+    policy = loading.load_model(models["policy"], "cpu")
     with torch.no_grad():
         logp = modeling.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
     ratio = torch.tensor([[1.5, 0.5, 1.0], [0.5, 1.5, 1.0], [4.0, 1.0, 1.0]])
@@ -162,7 +162,7 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     assert (grouped.max(1).values > grouped.min(1).values).sum() == kept
     assert kept == 8 or m["charts/sample_rounds"] == 4
     # Rows merged from several rounds were re-padded: their log-probs still match the model that sampled them.
-    base = modeling.load_model(str(run / "base_model"), "cpu")
+    base = loading.load_model(str(run / "base_model"), "cpu")
     with torch.no_grad():
         logp = modeling.completion_logprobs(base, rollouts["prompt_ids"], rollouts["prompt_mask"],
                                           rollouts["completion_ids"], rollouts["completion_mask"], 1.0)
