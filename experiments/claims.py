@@ -748,7 +748,7 @@ def second_look(name, claim, runs, first, plan):
         return []
     alpha = plan["rule"]["alpha_per_look"]
     level = 1 - alpha
-    lines = ["", f"## The second look (experiments/second_look.json, stated before its runs)", "",
+    lines = ["", "## The second look (experiments/second_look.json, stated before its runs)", "",
              f"| test | first look: seeds 0–{first - 1}, {level:.1%} interval | verdict | combined: every seed, "
              f"{level:.1%} interval | verdict | the test's verdict | family-wise (Holm, α = {alpha:g}) |",
              "|---|---|---|---|---|---|---|"]
@@ -862,7 +862,7 @@ def sweep_table(spec, runs, pick):
     """The pre-stated search's lines: each setting's runs (mean ± std over seeds) on its selection
     metric, the held-out accuracy (reported, never selected on) and the target's metric; the pick."""
     metrics = [spec.select, ACC, *([spec.target[0]] if spec.target else [])]
-    seeds = f"seed 0" if spec.seeds == 1 else f"seeds 0–{spec.seeds - 1}"
+    seeds = "seed 0" if spec.seeds == 1 else f"seeds 0–{spec.seeds - 1}"
     lines = ["", f"## The search ({seeds}, under {' '.join(spec.flags)}; chosen by `{spec.select}`)", "",
              "| setting | flags | " + " | ".join(f"`{m}`" for m in metrics) + " |", "|" + "---|" * (len(metrics) + 2)]
     for setting, rs in runs.items():
