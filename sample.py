@@ -26,7 +26,7 @@ Choices where the paper and docs/formats.md are silent:
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
   On a CPU its products run through oneDNN on packed weights (fast_decode.decode_linears), which
-  changes only rounding (log π_old within 6.5e-5 of MKL's: benchmarks/levers.py decode-linears).
+  changes only rounding (docs/performance.md has how much; benchmarks/levers.py decode-linears).
 - The G rows of a group share their prompt: each distinct prompt of a micro-batch is prefilled
   once and its KV cache expanded to its rows (modeling.prefill), and the reference and critic
   passes run the same way; --no-prefix-sharing runs every row's own prompt, for the same numbers.
