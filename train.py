@@ -36,8 +36,8 @@ import advantage
 import sample
 import score
 import update
-from grpo import (checkpoints, diagnostics, distributed, evaluation, files, outputs, provenance, run_log, runs,
-                  settings, tasks)
+from grpo import (checkpoints, diagnostics, distributed, evaluation, files, provenance, run_log, runs, settings,
+                  tasks)
 from grpo.cli import StageError, run_cli, warn
 from grpo.rollouts import dapo_dynamic_sampling
 
@@ -293,23 +293,7 @@ def parse_args(argv=None):
                                  if k not in COMMAND and v is not None})
     name = os.path.splitext(os.path.basename(args.config_file))[0] if args.config_file else args.config
     run_dir = args.run_dir or os.path.join("runs", name or "default")
-    if args.resume:
-        if not runs.is_run(run_dir):
-            raise StageError(f"{run_dir}: not a run folder (no config.json of train.py) to resume")
-        cfg = runs.absolute_paths(settings.read_config(os.path.join(run_dir, "config.json"), defaults, kinds))
-        resumable = RESUMABLE - ({"iterations"} if cfg["lr_schedule"] != "constant" else set())
-        changed = {k for k, v in given.items() if k not in resumable and v != cfg[k]}
-        if changed:                            # a decaying learning rate spans the run's iterations
-            raise StageError(f"--resume keeps the run's configuration; cannot change "
-                             f"--{', --'.join(sorted(changed)).replace('_', '-')}")
-    else:
-        if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
-            if not runs.is_run(run_dir):
-                outputs.check_dir(run_dir, "train.py", "--run-dir")           # a folder not of a run
-            raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
-                             f"--run-dir")
-        cfg = runs.absolute_paths(settings.read_config(args.config_file, defaults, kinds) if args.config_file
-                                  else {**defaults, **CONFIGS[args.config or "default"]})
+    cfg = runs.configuration(args, run_dir, given, defaults, kinds, CONFIGS, RESUMABLE)
     cfg = argparse.Namespace(**{**cfg, **given})
     cfg.reward = cfg.reward or tasks.TASKS[cfg.task][1]
     settings.check(cfg, runs.RULES)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo import builders, distributed, files, loading, lora, optim, outputs, prompting, reward_specs, tasks
+from grpo import builders, distributed, files, loading, lora, optim, outputs, prompting, reward_specs, settings, tasks
 from grpo.cli import ArgumentParser, StageError, warn
 from grpo.settings import at_least
 
@@ -283,3 +283,26 @@ def run_records(task, seed, prompts="", eval_prompts_file="", eval_prompts=0):
             warn(f"--eval-prompts-file {eval_prompts_file}: {shared} of its {len(held_out)} records are also "
                  f"training records, so the held-out score measures prompts the policy trains on")
     return train, held_out, where
+
+
+def configuration(args, run_dir, given, defaults, kinds, configs, resumable):
+    """The run's settings before the command line's `given` ones go on top: with --resume, the run's
+    saved config.json (which `given` may change only where `resumable`, less --iterations under a
+    decaying lr); else --config-file's or the named configuration's, in a run folder that holds no
+    other run. Paths are absolute."""
+    if args.resume:
+        if not is_run(run_dir):
+            raise StageError(f"{run_dir}: not a run folder (no config.json of train.py) to resume")
+        cfg = absolute_paths(settings.read_config(os.path.join(run_dir, "config.json"), defaults, kinds))
+        resumable = resumable - ({"iterations"} if cfg["lr_schedule"] != "constant" else set())
+        changed = {k for k, v in given.items() if k not in resumable and v != cfg[k]}
+        if changed:                            # a decaying learning rate spans the run's iterations
+            raise StageError(f"--resume keeps the run's configuration; cannot change "
+                             f"--{', --'.join(sorted(changed)).replace('_', '-')}")
+        return cfg
+    if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
+        if not is_run(run_dir):
+            outputs.check_dir(run_dir, "train.py", "--run-dir")           # a folder not of a run
+        raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose --run-dir")
+    return absolute_paths(settings.read_config(args.config_file, defaults, kinds) if args.config_file
+                          else {**defaults, **configs[args.config or "default"]})
