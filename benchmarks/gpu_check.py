@@ -37,8 +37,9 @@ def child(argv, timeout):
     try:
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         return r.returncode, time.perf_counter() - t, r.stdout, r.stderr
-    except subprocess.TimeoutExpired as e:
-        return "timeout", time.perf_counter() - t, e.stdout or "", e.stderr or ""
+    except subprocess.TimeoutExpired as e:        # its output comes as bytes whatever text= asked
+        text = [(x or b"").decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)]
+        return "timeout", time.perf_counter() - t, *text
 
 
 def environment():
