@@ -91,11 +91,13 @@ def draw(probs, generator):
 @torch.inference_mode()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids, pad_id,
                        generator, progress=None, share_prefix=True, top_k=0, top_p=1.0, min_p=0.0):
-    """Draw one completion per row: token t ~ softmax(truncate(logits_t / τ)), top-k, top-p and min-p
-    applied after τ; its log-prob is the model's at τ, log_softmax(logits_t / τ), untruncated.
+    """Draw one completion per row: token t ~ q_t = softmax(truncate(logits_t / τ)), top-k, top-p and
+    min-p applied after τ; its log-prob is the model's at τ, log_softmax(logits_t / τ), untruncated;
+    with a truncation on, also log q_t(token), the distribution it was drawn from (renormalised).
 
-    prompt_ids/prompt_mask [n, P]. Returns completion_ids [n, T], completion_mask [n, T],
-    logprobs [n, T] (at τ) and truncated [n], with T <= max_new_tokens.
+    prompt_ids/prompt_mask [n, P]. Returns the rollouts' completion columns: completion_ids [n, T],
+    completion_mask [n, T], old_logprobs [n, T] (at τ), truncated [n] and, with a truncation,
+    sampler_logprobs [n, T]; T <= max_new_tokens.
     """
     n = prompt_ids.shape[0]
     eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
@@ -108,12 +110,15 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     attention_mask = torch.cat([prompt_attention, prompt_attention.new_ones(n, room)], dim=1)  # [n, P'+room]
     next_position = position_ids[:, -1:] + 1                                          # [n, 1]
     finished = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)             # EOS already sampled
-    tokens, masks, logprobs = [], [], []
+    truncating = top_k > 0 or top_p < 1.0 or min_p > 0.0
+    tokens, masks, logprobs, sampler_logprobs = [], [], [], []
     for step in range(max_new_tokens):
         logits = out[:, -1].float()                                                   # [n, V]
-        probs = torch.softmax(truncate(logits / temperature, top_k, top_p, min_p), dim=-1)  # [n, V]
-        token = draw(probs, generator)                                                # [n]
+        z = truncate(logits / temperature, top_k, top_p, min_p)                       # [n, V]
+        token = draw(torch.softmax(z, dim=-1), generator)                             # [n]
         logprobs.append(modeling.logprobs_from_logits(logits, token, temperature))   # log π_old, [n]
+        if truncating:                                                                # log q(token), [n]
+            sampler_logprobs.append(torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1))
         masks.append(~finished)
         tokens.append(torch.where(finished, pad_id, token))
         finished = finished | torch.isin(token, eos)
@@ -127,9 +132,12 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
                         position_ids=next_position, past_key_values=cache, use_cache=True).logits
         next_position = next_position + 1
     completion_mask = torch.stack(masks, dim=1)                                       # [n, T]
-    completion_ids = torch.stack(tokens, dim=1)                                       # [n, T]
-    logprobs = torch.stack(logprobs, dim=1).masked_fill(~completion_mask, 0.0)        # [n, T]
-    return completion_ids, completion_mask, logprobs, ~finished
+    columns = {"completion_ids": torch.stack(tokens, dim=1), "completion_mask": completion_mask,
+               "old_logprobs": torch.stack(logprobs, dim=1).masked_fill(~completion_mask, 0.0),  # [n, T]
+               "truncated": ~finished}                                                # [n]
+    if truncating:
+        columns["sampler_logprobs"] = torch.stack(sampler_logprobs, dim=1).masked_fill(~completion_mask, 0.0)
+    return columns
 
 
 # ----------------------------------------------------------------------------------------
@@ -153,7 +161,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
-    parts = []                                        # per micro-batch: ids, mask, log π_old, truncated
+    parts = []                                        # per micro-batch: its completion columns
     with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
           fast_decode.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed weights
         for rows in distributed.row_slices(N, args.micro_batch_size):

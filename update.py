@@ -79,9 +79,12 @@ from grpo.update_metrics import UpdateMetrics
 # The algorithm: the clipped, KL-penalised token loss, its aggregation, and PPO's value loss
 
 def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, clip_eps, clip_eps_high,
-                    dual_clip=None, ratio_level="token", kl_estimator="k3", entropy=None, entropy_coef=0.0):
+                    dual_clip=None, ratio_level="token", kl_estimator="k3", entropy=None, entropy_coef=0.0,
+                    is_weight=None):
     """ℓ_t of docs/formats.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T].
-    With entropy_coef c, ℓ_t also holds −c·H_t (`entropy` [n, T], with its gradient; verl)."""
+    With entropy_coef c, ℓ_t also holds −c·H_t (`entropy` [n, T], with its gradient; verl). With
+    `is_weight` w_t [n, T] (rollout_is_weights), the policy term is w_t times its own: the tokens came
+    from another distribution than π_old, and w_t reweighs them to π_old."""
     A = advantages[:, None] if advantages.dim() == 1 else advantages          # [n, 1] or [n, T]
     log_ratio = logp - old_logp                                                # [n, T]
     if ratio_level == "sequence":  # GSPO: one ratio per completion, exp of the mean token log-ratio
@@ -95,6 +98,8 @@ def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, clip_ep
     if dual_clip is not None:      # dual-clip PPO: with A < 0 the loss is at most C·|A|, however large ρ is
         dual_clipped = (A < 0) & (pg_loss > dual_clip * A.abs())
         pg_loss = torch.where(dual_clipped, dual_clip * A.abs(), pg_loss)
+    if is_weight is not None:       # the sampler's tokens reweighed to π_old (--rollout-is)
+        pg_loss = is_weight * pg_loss
     kl = penalty = torch.zeros_like(logp)
     if ref_logp is not None:
         # x = log π_ref − log π_θ, bounded to ±20 as verl does: e^x overflows float32 beyond 88.
@@ -116,6 +121,19 @@ def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, clip_ep
              "clipped_low": (ratio < 1 - clip_eps) & (A < 0),                  # the clip is the active term
              "clipped_high": (ratio > 1 + clip_eps_high) & (A > 0)}
     return loss, terms
+
+
+def rollout_is_weights(old_logp, sampler_logp, mode, cap):
+    """The importance weight of each token between the trainer's π_old and the distribution q it was
+    drawn from (the sampler's after top-k/top-p/min-p, or another engine's), [n, T]:
+
+        w_t = π_old(o_t) / q(o_t) = exp(log π_old(o_t) − log q(o_t))
+        tis:  min(w_t, C)                      truncated importance sampling (Yao et al. 2025)
+        mis:  w_t where w_t ≤ C, else 0        masked: a token beyond the cap leaves the loss
+
+    with C = --rollout-is-cap. Without gradients: π_old and q are fixed before the update."""
+    w = torch.exp(old_logp - sampler_logp)                                     # [n, T]
+    return w.clamp(max=cap) if mode == "tis" else torch.where(w <= cap, w, 0.0)
 
 
 def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
@@ -147,6 +165,7 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
     rollouts' ref_logprobs."""
     plan = minibatch_plan(rollouts, args.epochs, args)
     rollouts = training_rows(policy, rollouts, advantages, args, plan[0])
+    mismatch = diagnostics.rollout_mismatch(rollouts, args.rollout_is_cap) if "sampler_logprobs" in rollouts else {}
     log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level,
                         ref_model is not None or "ref_logprobs" in rollouts)
     skipped = 0
@@ -169,7 +188,7 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
     bar.close()
     for warning in log.warnings():
         warn(warning)
-    return log.summary(skipped)
+    return {**log.summary(skipped), **mismatch}
 
 
 def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
@@ -187,7 +206,8 @@ def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
     token_loss, terms = grpo_token_loss(
         logp, batch["old_logprobs"], ref_logp, batch["advantages"], mask, beta=args.beta, clip_eps=args.clip_eps,
         clip_eps_high=args.clip_eps_high, dual_clip=args.dual_clip, ratio_level=args.ratio_level,
-        kl_estimator=args.kl_estimator, entropy=entropy, entropy_coef=args.entropy_coef)    # ℓ_t [n, T]
+        kl_estimator=args.kl_estimator, entropy=entropy, entropy_coef=args.entropy_coef,
+        is_weight=batch.get("is_weight"))                                                  # ℓ_t [n, T]
     loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
     terms.update(logp=logp, ref_logp=ref_logp, entropy=entropy, policy_loss=aggregate(
         terms["pg_loss"].detach(), loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens))
@@ -277,12 +297,16 @@ def loss_mask(rollouts, args):
 def training_rows(policy, rollouts, advantages, args, first_epoch):
     """The rollouts the update trains on, with their advantages and loss_mask. With --old-logprobs
     recompute, log π_old comes from the policy as it is now, in the passes of the first epoch
-    (`first_epoch`: its minibatches' rows), every rank's, so that the first step's ratio is exactly 1."""
+    (`first_epoch`: its minibatches' rows), every rank's, so that the first step's ratio is exactly 1.
+    With --rollout-is, each token's importance weight between that π_old and the sampler's q."""
     rollouts = {**rollouts, "loss_mask": loss_mask(rollouts, args), "advantages": advantages}
     if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
         passes = [idx for rows in first_epoch for idx in distributed.every_rank_passes(rows, args.micro_batch_size)]
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature, 0,
                                                              args.prefix_sharing, passes).cpu()
+    if args.rollout_is != "none":
+        rollouts["is_weight"] = rollout_is_weights(rollouts["old_logprobs"], rollouts["sampler_logprobs"],
+                                                   args.rollout_is, args.rollout_is_cap)           # [N, T]
     return rollouts
 
 
@@ -330,6 +354,12 @@ def build_parser():
                            "at θ = θ_ref); rollouts, the file's ref_logprobs (computed in other shapes, they\n"
                            "differ by rounding, which AdamW can turn into a step: docs/numerics.md). Default:\n"
                            "recompute when a reference is named (--ref-model, or the rollouts'), else rollouts")
+    loss.add_argument("--rollout-is", default="none", choices=["none", "tis", "mis"],
+                      help="importance weight w_t = π_old/q between π_old and the distribution q the sampler drew\n"
+                           "from (the rollouts' sampler_logprobs: top-k/top-p/min-p, or another engine): none\n"
+                           "(default); tis, min(w_t, C); mis, w_t, or 0 beyond C (update.py:rollout_is_weights)")
+    loss.add_argument("--rollout-is-cap", type=float, default=2.0, metavar="C",
+                      help="C: the cap of --rollout-is (default 2, TRL's and verl's)")
     loss.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
     loss.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
     opt = p.add_argument_group("the optimizer: epochs, minibatches, AdamW")
@@ -379,7 +409,7 @@ def build_parser():
 RULES = {"lr": at_least(0), "warmup_steps": at_least(0), "beta": at_least(0),
          "clip_eps": between(0, 1, lo_open=True), "clip_eps_high": above(0), "dual_clip": above(1),
          "entropy_coef": at_least(0), "critic_lr": above(0), "critic_epochs": at_least(1), "vf_coef": at_least(0),
-         "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0),
+         "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0), "rollout_is_cap": at_least(1),
          "micro_batch_size": at_least(0), "max_grad_norm": above_or_inf(0), "weight_decay": at_least(0),
          "temperature": above(0), "max_new_tokens": at_least(1), "max_bad_steps": at_least(0),
          **lora.RULES, "total_steps": at_least(1)}    # last: train.py derives it from the others

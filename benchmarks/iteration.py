@@ -113,11 +113,10 @@ def iteration_stages(policy, ref, tokenizer, model_dir, prompt_ids, prompt_mask,
 
     def sampling(seed):
         with fast_decode.decode_linears(policy, prompt_ids.shape[0]):
-            ids, mask, logp, truncated = sample.sample_completions(
+            columns = sample.sample_completions(
                 policy, prompt_ids, prompt_mask, T, TAU, [], tokenizer.pad_token_id,
                 torch.Generator(device=device).manual_seed(seed), share_prefix=share)
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids.clone(),
-                "completion_mask": mask.clone(), "old_logprobs": logp.clone(), "truncated": truncated.clone(),
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, **{k: v.clone() for k, v in columns.items()},
                 "group_ids": torch.arange(N // group_size, device=device).repeat_interleave(group_size)}
 
     def reference(rollouts):
@@ -299,14 +298,14 @@ def sampler_rates(policy, ref, prompt_ids, prompt_mask, pad_id, reps, device):
                                     temperature=TAU, top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T)
             else:
                 with fast_decode.decode_linears(policy, prompt_ids.shape[0]):         # as sample.rollout samples
-                    ids, mask, _, _ = sample.sample_completions(
+                    columns = sample.sample_completions(
                         policy, prompt_ids, prompt_mask, T, TAU, [], pad_id,
                         torch.Generator(device=device).manual_seed(0), share_prefix=name == "shared")
             sync(device)
             seconds[name].append(time.perf_counter() - t)
             if name == "shared":
-                rollouts = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids,
-                            "completion_mask": mask}
+                rollouts = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                            "completion_ids": columns["completion_ids"], "completion_mask": columns["completion_mask"]}
                 t = time.perf_counter()
                 modeling.rollout_logprobs(ref, rollouts, TAU, 0, share_prefix=True)
                 sync(device)

@@ -72,7 +72,8 @@ def iteration_metrics(rollouts, rewards, components, skipped, completions, group
 # update.py's metrics.json keys that train.py logs outside losses/: the on-policy check (diag/) and how
 # well PPO's critic explains the returns (charts/).
 ON_POLICY_KEYS = ("logprob_diff_max", "logprob_diff_mean", "ref_logprob_diff_max", "ref_logprob_diff_mean",
-                  "outside_clip_on_policy", "skipped_steps", "critic_skipped_steps")
+                  "outside_clip_on_policy", "skipped_steps", "critic_skipped_steps", "rollout_is_diff_mean",
+                  "rollout_is_diff_max", "rollout_is_kl", "rollout_is_beyond_cap")
 CHART_KEYS = ("explained_variance",)
 
 
@@ -181,6 +182,18 @@ def logprob_mismatch(logp, old_logp, mask):
     can be combined (the mean is the sum over their token count). [n, T] -> (float, float)"""
     diff = (logp.detach() - old_logp).abs()[mask].double()                 # [tokens]
     return diff.max().item(), diff.sum().item()
+
+
+def rollout_mismatch(rollouts, cap):
+    """How far the distribution the sampler drew from, q (sampler_logprobs), is from the trainer's
+    π_old (old_logprobs), over the completion tokens, before any step: mean and max |log π_old −
+    log q|, the k3 estimate of KL(q‖π_old) (r − 1 − log r with r = π_old/q, whose mean under q it
+    is), and the share of tokens whose weight r lies beyond the cap C."""
+    mask = rollouts["completion_mask"]
+    x = (rollouts["old_logprobs"] - rollouts["sampler_logprobs"])[mask].double()   # log r, [tokens]
+    r = x.clamp(max=20.0).exp()
+    return {"rollout_is_diff_mean": x.abs().mean().item(), "rollout_is_diff_max": x.abs().max().item(),
+            "rollout_is_kl": (r - 1 - x).mean().item(), "rollout_is_beyond_cap": (r > cap).double().mean().item()}
 
 
 def mismatch_warning(max_diff, mean_diff):

@@ -29,6 +29,7 @@ ROLLOUTS = ("rollouts/1", {
     "ref_logprobs": ("float", [("N", "T")], False),
     "truncated": ("bool", [("N",)], True),
     "values": ("float", [("N", "T")], False),
+    "sampler_logprobs": ("float", [("N", "T")], False),
 })
 REWARDS = ("rewards/1", {
     "rewards": ("float", [("N",)], True),

@@ -16,11 +16,11 @@ def pad_right(tensors, value):
 
 
 def stack_completions(parts, pad_id):
-    """The sampler's micro-batches, (completion_ids, completion_mask, logprobs, truncated) each, as
-    the rollouts' completion columns: [N, T] padded on the right to the longest, truncated [N]."""
-    ids, masks, logprobs, truncated = zip(*parts)
-    return {"completion_ids": pad_right(ids, pad_id), "completion_mask": pad_right(masks, False),
-            "old_logprobs": pad_right(logprobs, 0.0), "truncated": torch.cat(truncated)}
+    """The sampler's micro-batches' completion columns (sample.sample_completions) stacked: [N, T]
+    padded on the right to the longest, truncated [N]."""
+    pads = {"completion_ids": pad_id, "completion_mask": False}
+    return {key: torch.cat([p[key] for p in parts]) if key == "truncated" else
+            pad_right([p[key] for p in parts], pads.get(key, 0.0)) for key in parts[0]}
 
 
 def sample_rows(rollouts, records, texts, tokenizer):

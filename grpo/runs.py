@@ -46,6 +46,9 @@ def check_combinations(cfg):
     if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations:
         raise StageError(f"--critic-warmup {cfg.critic_warmup}: the policy would never move in --iterations "
                          f"{cfg.iterations}; give 0 ≤ K < --iterations")
+    if cfg.rollout_is != "none" and not (cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0):
+        raise StageError(f"--rollout-is {cfg.rollout_is} reweighs tokens drawn from a truncated distribution, and "
+                         f"no --top-k, --top-p or --min-p truncates it: π_old is the sampling distribution itself")
     if ppo and cfg.dynamic_sampling:
         raise StageError("--dynamic-sampling drops groups with equal rewards, which only GRPO needs; "
                          "use it with --algo grpo")

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, cli
 from safetensors.torch import load_file, save_file
 
-from grpo import builders, checkpoints, files, loading, modeling
+from grpo import builders, checkpoints, files, loading
 from grpo.cli import StageError
 from test_update import rollouts_of, run_update
 
@@ -159,7 +159,7 @@ def test_every_stage_bounds_its_forward_passes_by_micro_batch_size(models, rollo
         loaded.append(BatchSizes(model))
         return model
 
-    monkeypatch.setattr(modeling, "load_model", recording_load)
+    monkeypatch.setattr(loading, "load_model", recording_load)
     out = tmp_path / "s"
     r = cli("sample.py", "--model", models["policy"], "--prompts", prompts_file, "--out", out, "--group-size", 8,
             "--num-prompts", 4, "--max-new-tokens", 12, "--ref-model", models["ref"], "--micro-batch-size", 5)

@@ -216,7 +216,7 @@ def test_a_read_only_folder_is_one_line(models, prompts_file, tmp_path, monkeypa
 def test_a_full_disk_and_ctrl_c_are_one_line(models, prompts_file, tmp_path, monkeypatch):
     import safetensors
 
-    from grpo import files, modeling
+    from grpo import files, prompting
 
     def full(*args, **kwargs):
         raise safetensors.SafetensorError("Error while serializing: No space left on device (os error 28)")
@@ -228,7 +228,7 @@ def test_a_full_disk_and_ctrl_c_are_one_line(models, prompts_file, tmp_path, mon
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(modeling, "render_prompts", interrupted)       # Ctrl-C while sampling
+    monkeypatch.setattr(prompting, "render_prompts", interrupted)       # Ctrl-C while sampling
     r = cli("sample.py", *base, "--out", tmp_path / "t")
     assert r.code == 130 and len(r.err.strip().splitlines()) == 1 and "interrupted" in r.err, r.err
     assert not (tmp_path / "t" / "rollouts.safetensors").exists()

@@ -173,7 +173,7 @@ def test_a_model_without_a_plain_kv_cache_falls_back_with_one_warning(tmp_path, 
         out.append(sample.sample_completions(model, ids, mask, 6, 1.0, [tok.eos_token_id], tok.pad_token_id, g,
                                              share_prefix=share))
         with torch.no_grad():
-            out.append(modeling.completion_logprobs(model, ids, mask, out[-1][0].clone(), out[-1][1].clone(), 1.0,
-                                                    share_prefix=share))
-    assert torch.equal(out[0][0], out[2][0]) and torch.equal(out[1], out[3])
+            out.append(modeling.completion_logprobs(model, ids, mask, out[-1]["completion_ids"].clone(),
+                                                    out[-1]["completion_mask"].clone(), 1.0, share_prefix=share))
+    assert torch.equal(out[0]["completion_ids"], out[2]["completion_ids"]) and torch.equal(out[1], out[3])
     assert capsys.readouterr().err.count("prefix sharing: MistralForCausalLM") == 1

@@ -43,10 +43,14 @@ def tiny(models):
     return tok, policy, ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
 
 
-def draw(tiny, temperature, seed=0, **knobs):
+COLUMNS = ("completion_ids", "completion_mask", "old_logprobs", "truncated")
+
+
+def draw(tiny, temperature, seed=0, columns=COLUMNS, **knobs):
     tok, policy, ids, mask = tiny
-    return sample.sample_completions(policy, ids, mask, 12, temperature, loading.eos_token_ids(tok, policy),
-                                     tok.pad_token_id, torch.Generator().manual_seed(seed), **knobs)
+    out = sample.sample_completions(policy, ids, mask, 12, temperature, loading.eos_token_ids(tok, policy),
+                                    tok.pad_token_id, torch.Generator().manual_seed(seed), **knobs)
+    return tuple(out[k] for k in columns)
 
 
 def test_a_token_outside_the_top_k_is_never_drawn_and_log_probs_stay_the_models(tiny):
@@ -61,6 +65,29 @@ def test_a_token_outside_the_top_k_is_never_drawn_and_log_probs_stay_the_models(
     full = modeling.logprobs_from_logits(logits, cut_ids, 1.5)
     torch.testing.assert_close(logp[:, :cut_ids.shape[1]][cut_mask], full[cut_mask], atol=1e-5, rtol=0)
     assert logp[completion_mask].exp().max() < 1 and (logp[completion_mask] < math.log(0.99)).all()
+
+
+@pytest.mark.parametrize("knobs", [dict(top_k=3), dict(top_p=0.7), dict(min_p=0.2),
+                                   dict(top_k=5, top_p=0.9, min_p=0.05)])
+def test_sampler_logprobs_are_those_of_the_truncated_distribution_each_token_was_drawn_from(tiny, knobs):
+    """log q(o_t) with q = softmax(truncate(logits / τ)), recomputed by hand from a full forward's
+    logits: above log π_old by −log of the kept mass, 0 for a token kept alone; absent untruncated."""
+    tok, policy, ids, mask = tiny
+    columns = ("completion_ids", "completion_mask", "old_logprobs", "sampler_logprobs")
+    completion_ids, completion_mask, old, sampler_logp = draw(tiny, 1.3, columns=columns, **knobs)
+    with torch.no_grad():
+        logits, cut_ids, cut_mask = modeling.completion_outputs(policy, ids, mask, completion_ids.clone(),
+                                                                completion_mask.clone())
+    z = sample.truncate(logits.float() / 1.3, **knobs)                                    # [n, T, V]
+    q = z.softmax(-1).gather(-1, cut_ids[..., None]).squeeze(-1)                         # [n, T]
+    kept = (logits.float() / 1.3).softmax(-1).masked_fill(z == -torch.inf, 0.0).sum(-1)  # mass kept, [n, T]
+    T = cut_ids.shape[1]
+    torch.testing.assert_close(sampler_logp[:, :T][cut_mask], q.log()[cut_mask], atol=2e-5, rtol=0)
+    torch.testing.assert_close(sampler_logp[:, :T][cut_mask], (old[:, :T] - kept.log())[cut_mask], atol=2e-5, rtol=0)
+    assert (sampler_logp[completion_mask] >= old[completion_mask] - 1e-6).all()
+    assert (sampler_logp[~completion_mask] == 0).all()
+    assert "sampler_logprobs" not in sample.sample_completions(
+        policy, ids, mask, 4, 1.3, [], tok.pad_token_id, torch.Generator().manual_seed(0))
 
 
 def test_a_top_k_beyond_the_vocabulary_keeps_every_token(tiny):
@@ -131,7 +158,7 @@ def test_the_packed_onednn_products_give_the_same_logits_and_draws_and_are_remov
     head(x).square().sum().backward()
     assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], head.weight.grad)
     assert not any("forward" in vars(m) for m in linears)
-    monkeypatch.setattr(modeling, "ONEDNN_DECODE", False)
+    monkeypatch.setattr(fast_decode, "ONEDNN_DECODE", False)
     with fast_decode.decode_linears(policy, 24):
         assert not any("forward" in vars(m) for m in linears)
 

@@ -25,6 +25,7 @@ GRPO_KNOBS = {
     "lr": 0.002, "lr_schedule": "cosine", "warmup_steps": 1, "beta": 0.02, "clip_eps": 0.3, "clip_eps_high": 0.35,
     "loss_agg": "token", "dual_clip": 3.0, "ratio_level": "sequence", "kl_estimator": "k2", "entropy_coef": 0.01,
     "mask_truncated": True, "old_logprobs": "recompute", "ref_logprobs": "rollouts", "allow_mismatch": True, "epochs": 2, "minibatch_size": 6,
+    "rollout_is": "tis", "rollout_is_cap": 3.0,
     "gradient_checkpointing": True, "max_grad_norm": 0.5, "weight_decay": 0.5, "max_bad_steps": 3, "fsdp": True,
 }
 PPO_KNOBS = {
