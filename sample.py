@@ -245,7 +245,8 @@ def build_parser():
                             "top-k (default 1.0: all)")
     draws.add_argument("--min-p", type=float, default=0.0, metavar="M",
                        help="leave out tokens below M × the most likely one's probability, after top-p\n"
-                            "(default 0: none); log-probs stay the model's at τ, whatever the truncation")
+                            "(default 0: none); old_logprobs stay the model's at τ, whatever the truncation,\n"
+                            "and with one, sampler_logprobs hold the truncated distribution's")
     draws.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     draws.add_argument("--ignore-eos", action="store_true",
                        help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
