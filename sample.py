@@ -10,6 +10,7 @@ Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows; docs
             group_ids [N] int64    old_logprobs [N, T] f32
             ref_logprobs [N, T] f32 (with --ref-model)    truncated [N] bool
             values [N, T] f32 (with --critic: PPO's V_t, read where the logits of token t are)
+            sampler_logprobs [N, T] f32 (with --top-k/--top-p/--min-p: log q of the truncated draw)
         --out DIR/samples.jsonl  one object per row: group, prompt, completion, and the record's fields
 
 Example:
@@ -21,7 +22,7 @@ Choices where the paper and docs/formats.md are silent:
   that order, all off by default) truncate; log π_old is the model's log_softmax(logits / τ),
   untruncated, as TRL and verl record it, because the update's log π_θ is that same untruncated
   distribution (so ρ = 1 on-policy). The truncation is then a choice of which tokens to try, not
-  part of π_old: the ratio does not correct for it.
+  part of π_old; update.py --rollout-is reweighs it from sampler_logprobs (docs/numerics.md).
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
   distribution each token came from; log π_old is taken from the very logits it samples from
   (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
