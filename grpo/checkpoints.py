@@ -95,13 +95,16 @@ def optimizer_state_tensors(policy, optimizer):
 
 
 def load_optimizer_state(policy, optimizer, path):
-    """Restore AdamW's state from optimizer_state_tensors' file; every parameter must have its state."""
+    """Restore AdamW's state from optimizer_state_tensors' file: every parameter's state, or none at all
+    (an optimizer that has not stepped yet, as fresh as a new one)."""
     try:
         with safe_open(path, framework="pt") as f:
             saved = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a damaged file raises several types; all mean the same here
         raise StageError(f"{path}: not a readable optimizer state ({str(e).splitlines()[0]}); "
                          f"delete it or pass --fresh-optimizer") from None
+    if not saved:                       # an optimizer that never stepped (a critic warm-up's frozen policy)
+        return
     device = next(policy.parameters()).device
     for name, p in distributed.unwrap(policy).named_parameters():
         if not p.requires_grad:                                  # frozen (a LoRA policy's base): no state

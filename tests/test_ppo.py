@@ -320,6 +320,15 @@ def test_train_critic_warmup_freezes_the_policy_for_k_iterations(tmp_path):
     assert m[2]["diag/ref_logprob_diff_max"] == 0.0        # the policy had not moved before iteration 2
     assert "--critic-only" in (run / "iter_0001" / "replay.sh").read_text()
     assert "--critic-only" not in (run / "iter_0002" / "replay.sh").read_text()
+    # Killed inside the warm-up (its policy's optimizer has no state yet), the run resumes to the same files.
+    argv = ["train.py", "--config", "tiny", "--algo", "ppo", "--iterations", 3, "--critic-warmup", 2,
+            "--eval-every", 0, "--save-every", 1, "--num-prompts", 2, "--group-size", 2, "--max-new-tokens", 6]
+    killed = tmp_path / "k"
+    finished = kill_then_resume([str(a) for a in argv], killed, [killed / "iter_0002" / "prompts.jsonl"])
+    assert finished.returncode == 0, finished.stderr
+    for part in (run / "policy", run / "policy" / "critic"):
+        straight, again = (load_file(d / "model.safetensors") for d in (part, killed / part.relative_to(run)))
+        assert max((straight[k] - again[k]).abs().max().item() for k in straight) < 1e-6, part
     assert_user_error(cli("train.py", "--config", "tiny", "--critic-warmup", 1, "--run-dir", tmp_path / "g"),
                       "--critic-warmup")
     assert_user_error(cli("train.py", "--config", "tiny", "--algo", "ppo", "--iterations", 2, "--critic-warmup", 2,
