@@ -46,7 +46,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import distributed, fast_decode, files, loading, lora, modeling, outputs, prompting, provenance, settings
+from grpo import (distributed, fast_decode, files, loading, lora, modeling, outputs, prompting, provenance, settings,
+                  vllm_engine)
 from grpo.rollouts import concat_rollouts, sample_rows, stack_completions
 from grpo.settings import above, at_least, between
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
@@ -145,9 +146,10 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
 # The loop: G completions per prompt, log π_ref and V_t beside them; under torchrun, shares of groups
 
 def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, where=("prompts", None),
-            critic=None):
+            critic=None, engine=None):
     """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows).
-    log π_ref comes from `ref_model` and PPO's V_t from `critic`, when given."""
+    log π_ref comes from `ref_model` and PPO's V_t from `critic`, when given. With a vLLM `engine`
+    (grpo/vllm_engine.py) the engine draws them and log π_old is the policy's forward pass."""
     device = next(policy.parameters()).device
     max_len = prompting.prompt_room(policy, args.max_new_tokens)
     path, lines = where                                 # the records' file and lines, for messages
@@ -162,16 +164,22 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
-    parts = []                                        # per micro-batch: its completion columns
-    with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
-          fast_decode.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed weights
-        for rows in distributed.row_slices(N, args.micro_batch_size):
-            parts.append(sample_completions(
-                policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
-                eos_ids, tokenizer.pad_token_id, generator, progress=bar, share_prefix=args.prefix_sharing,
-                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p))
+    if engine is not None:                            # vLLM draws them all (grpo/vllm_engine.py)
+        parts = [engine.sample(prompt_ids, prompt_mask, G, args, eos_ids, tokenizer.pad_token_id, generator)]
+    else:                                             # per micro-batch: its completion columns
+        parts = []
+        with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
+              fast_decode.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed
+            for rows in distributed.row_slices(N, args.micro_batch_size):
+                parts.append(sample_completions(
+                    policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
+                    eos_ids, tokenizer.pad_token_id, generator, progress=bar, share_prefix=args.prefix_sharing,
+                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p))
     tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "group_ids": group_ids,
                **stack_completions(parts, tokenizer.pad_token_id)}                       # [N, T] and [N]
+    if engine is not None:                             # the trainer's forward, as update.py computes it
+        tensors["old_logprobs"] = modeling.rollout_logprobs(policy, tensors, args.temperature,
+                                                            args.micro_batch_size, args.prefix_sharing)
     if ref_model is not None:
         tensors["ref_logprobs"] = modeling.rollout_logprobs(ref_model, tensors, args.temperature,
                                                             args.micro_batch_size, args.prefix_sharing)
@@ -181,14 +189,15 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     return tensors, sample_rows(tensors, records, texts, tokenizer)
 
 
-def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("prompts", None), critic=None):
+def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("prompts", None), critic=None,
+                    engine=None):
     """rollout() under torchrun: rank r samples a contiguous share of whole groups from its own
     generator, seeded with distributed.rank_seed(seed, r), and every rank gets all rows back in group
     order. So rank r's groups are what one process draws for that share (--start, --num-prompts)
     with that seed. One process: rollout() itself."""
     rank, world = distributed.rank_and_world()
     if world == 1:
-        return rollout(policy, tokenizer, records, args, ref_model, where=where, critic=critic)
+        return rollout(policy, tokenizer, records, args, ref_model, where=where, critic=critic, engine=engine)
     if len(records) < world:
         raise StageError(f"{len(records)} prompts for {world} processes: each process samples whole groups, "
                          f"so --num-prompts must be at least the number of processes")
@@ -249,6 +258,10 @@ def build_parser():
                             "(default 0: none); old_logprobs stay the model's at τ, whatever the truncation,\n"
                             "and with one, sampler_logprobs hold the truncated distribution's")
     draws.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    draws.add_argument("--engine", choices=["sampler", "vllm"], default="sampler",
+                       help="what draws the tokens: the project's sampler (default) or vLLM (./setup.sh\n"
+                            "--engine vllm installs it); under vLLM sampler_logprobs hold the engine's\n"
+                            "log-probs and old_logprobs the policy's forward pass (grpo/vllm_engine.py)")
     draws.add_argument("--ignore-eos", action="store_true",
                        help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     mem = p.add_argument_group("memory and devices")
@@ -273,6 +286,7 @@ RULES = {"group_size": at_least(1), "num_prompts": at_least(1), "start": at_leas
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     settings.check(args, RULES)
+    vllm_engine.check(args)
     return args
 
 
@@ -288,9 +302,19 @@ def main(argv=None):
     ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     critic = loading.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 
+    engine = None
+    if args.engine == "vllm":
+        plain = lora.base_of(args.model) if lora.is_adapter(args.model) else args.model
+        engine = vllm_engine.start(policy, loading.model_dir(plain), args.max_new_tokens,
+                                   len(records) * args.group_size)
+
     t0 = time.perf_counter()
-    tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, (args.prompts, lines),
-                                       critic)
+    try:
+        tensors, samples = rollout_sharded(policy, tokenizer, records, args, ref_model, (args.prompts, lines),
+                                           critic, engine)
+    finally:
+        if engine is not None:
+            engine.close()
     seconds = time.perf_counter() - t0
     if not distributed.is_main():
         return

@@ -171,6 +171,9 @@ def train(cfg, run_dir, resume, records):
                 if models.sampler is not models.policy:   # FSDP: the full copy that samples follows
                     models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy),
                                                    strict=False)
+            if models.engine is not None and not update_args.critic_only:   # vLLM: the new weights, in place
+                with runs.timed(perf, "perf/engine_sync_s"):
+                    models.engine.load_weights(models.sampler)
 
             completions = [s["completion"] for s in samples]
             metrics = {"iteration": i, **diagnostics.iteration_metrics(
@@ -205,6 +208,8 @@ def train(cfg, run_dir, resume, records):
             previous = metrics
     finally:
         saver.wait()                          # no save is left half-written, whatever ended the loop
+        if models.engine is not None:
+            models.engine.close()
     if main and cfg.eval_every:
         final = held_out_eval(models.sampler, models.ref, models.base, cfg.iterations)
         run_log.log_scalars(writer, final, cfg.iterations)
@@ -224,7 +229,7 @@ def sample_and_score(slot, i, cfg, it_dir, models, paths, records, reward_fns, p
         critic = distributed.unwrap(models.critic.model) if models.critic else None
         ref = models.ref if sample_args.ref_model else None
         rollouts, samples = sample.rollout_sharded(models.sampler, models.tokenizer, records, sample_args,
-                                                   ref, (sample_args.prompts, None), critic)
+                                                   ref, (sample_args.prompts, None), critic, models.engine)
         rollouts = {k: v.cpu() for k, v in rollouts.items()}
     with runs.timed(perf, "perf/score_s"):
         rewards, components, skipped = score.score_sharded(
@@ -312,6 +317,8 @@ def check_batch(cfg, records):
         paths = runs.model_paths(models, models.base, 0)
         batch, _, _ = sample_and_score(0, 0, cfg, os.path.join(scratch, "iter_0000"), models, paths,
                                        train_records, reward_fns, {}, [])
+        if models.engine is not None:
+            models.engine.close()
     if distributed.is_main():
         completions = [s["completion"] for s in batch["samples"]]
         print("\n".join(diagnostics.batch_report(batch["rollouts"], batch["rewards"], completions,

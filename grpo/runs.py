@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo import builders, distributed, files, loading, lora, optim, outputs, prompting, reward_specs, settings, tasks
+from grpo import (builders, distributed, files, loading, lora, optim, outputs, prompting, reward_specs, settings, tasks,
+                  vllm_engine)
 from grpo.cli import ArgumentParser, StageError, warn
 from grpo.settings import at_least
 
@@ -46,9 +47,11 @@ def check_combinations(cfg):
     if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations:
         raise StageError(f"--critic-warmup {cfg.critic_warmup}: the policy would never move in --iterations "
                          f"{cfg.iterations}; give 0 ≤ K < --iterations")
-    if cfg.rollout_is != "none" and not (cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0):
-        raise StageError(f"--rollout-is {cfg.rollout_is} reweighs tokens drawn from a truncated distribution, and "
-                         f"no --top-k, --top-p or --min-p truncates it: π_old is the sampling distribution itself")
+    truncated = cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0
+    if cfg.rollout_is != "none" and not truncated and cfg.engine == "sampler":
+        raise StageError(f"--rollout-is {cfg.rollout_is} reweighs tokens drawn by another engine or from a truncated "
+                         f"distribution, and neither --engine vllm nor --top-k, --top-p or --min-p is given: π_old "
+                         f"is the sampling distribution itself")
     if ppo and cfg.dynamic_sampling:
         raise StageError("--dynamic-sampling drops groups with equal rewards, which only GRPO needs; "
                          "use it with --algo grpo")
@@ -157,6 +160,7 @@ class Models:
     ref: torch.nn.Module = None     # π_ref, frozen (LoRA: the policy, adapters off); None when no KL is used
     critic: optim.Critic = None     # PPO's value model and its AdamW (--algo ppo)
     critic_init: str = None         # the critic's folder before the first step (PPO)
+    engine: object = None           # --engine vllm: the run's one vLLM engine (grpo/vllm_engine.py)
 
 
 def start(cfg, run_dir, done, records, held_out_lines=None):
@@ -190,6 +194,9 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
         prompting.render_prompts(rows, models.tokenizer, source, max_len, lines)
     if cfg.algo == "ppo":
         models.critic_init, models.critic = start_critic(cfg, run_dir, base, done, device)
+    if cfg.engine == "vllm":                  # one engine for the run, given each update's weights in place
+        models.engine = vllm_engine.start(sampler, loading.model_dir(base), cfg.max_new_tokens,
+                                          cfg.num_prompts * cfg.group_size)
     state = os.path.join(path, "optimizer.safetensors") if done else None
     return models, optim.adamw(models.policy, cfg.lr, cfg.weight_decay, state), reward_fns
 
