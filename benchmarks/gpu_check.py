@@ -10,10 +10,13 @@
    the first minibatch's on-policy check (diag/logprob_diff_max, diag/logprob_diff_mean,
    diag/outside_clip_on_policy: how far the sampler's bf16 log-probs are from the update's).
 3. benchmarks/iteration.py --table 1: the iteration against the naive floor and the compute floor,
-   and the sampler's tokens per second against `generate` on the same batch.
+   and the sampler's tokens per second against `generate` on the same batch (and vLLM's, installed).
+4. The vLLM engine, where it is installed: its tests (tests/test_vllm.py) and the default job with
+   --engine vllm (the engine's log-probs against the trainer's π_old: diag/rollout_is_diff_*). The
+   lent GPU machines' image has no vLLM; there this part says so in one line.
 
 Each part runs in its own child process with a deadline (--part-timeout), so one that hangs or fails
-is reported as such and the others still run. The last line printed is the JSON of all three.
+is reported as such and the others still run. The last line printed is the JSON of all four.
 """
 
 import argparse
@@ -72,10 +75,23 @@ def default_job(iterations, flags, timeout):
         update_args = files.load_tensors(os.path.join(run_dir, "policy", "optimizer.safetensors"),
                                          ("optimizer/1", {}))[1]
     keys = ("diag/logprob_diff_max", "diag/logprob_diff_mean", "diag/outside_clip_on_policy", "losses/kl",
-            "charts/reward_mean", "perf/sample_s", "perf/update_s", "perf/tokens_per_s")
+            "charts/reward_mean", "perf/sample_s", "perf/update_s", "perf/tokens_per_s", "perf/engine_sync_s",
+            "diag/rollout_is_diff_max", "diag/rollout_is_diff_mean")
     return {**result, "iteration_s_median": statistics.median(m["perf/iteration_s"] for m in metrics),
             "old_logprobs": update_args["old_logprobs"],
-            **{k: [round(m[k], 6) if isinstance(m[k], float) else m[k] for m in metrics] for k in keys}}
+            **{k: [round(m[k], 6) if isinstance(m[k], float) else m[k] for m in metrics] for k in keys
+               if k in metrics[0]}}
+
+
+def engine(selection, iterations, flags, timeout):
+    """Part 4: tests/test_vllm.py and the default job under --engine vllm, where vLLM is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed here (./setup.sh --engine vllm): the engine was not checked")
+        return "not installed"
+    return {"tests": stage_tests(selection, timeout),
+            "default_job": default_job(iterations, [*flags, "--engine", "vllm"], timeout)}
 
 
 def iteration_table(flags, timeout):
@@ -92,6 +108,8 @@ def main(argv=None):
     p.add_argument("--small", action="store_true",
                    help="the tiny model and settings (seconds on a CPU): to check the script itself")
     p.add_argument("--tests", nargs="*", default=None, help="pytest's selection (default: the stage tests)")
+    p.add_argument("--engine-tests", nargs="*", default=["tests/test_vllm.py"],
+                   help="pytest's selection for part 4 (default: tests/test_vllm.py)")
     p.add_argument("--iterations", type=int, default=None, help="of the default job (default 4; --small 2)")
     p.add_argument("--part-timeout", type=int, default=300, help="seconds each part may take (default 300)")
     args = p.parse_args(argv)
@@ -102,13 +120,14 @@ def main(argv=None):
     job_flags, table_flags = [], ["--floor-reps", "2", "--save-every", "2"]
     tmp = tempfile.mkdtemp()
     if args.small:
-        tiny = builders.make_tiny_llama(os.path.join(tmp, "tiny"))
+        tiny = builders.make_tiny_llama(os.path.join(tmp, "tiny"), num_heads=2)   # heads vLLM's CPU path takes
         job_flags = ["--config", "tiny", "--model", tiny, "--max-new-tokens", "8"]
         table_flags += ["--model", tiny]
     result = {"environment": environment(),
               "tests": stage_tests(TESTS if args.tests is None else args.tests, args.part_timeout),
               "default_job": default_job(iterations, job_flags, args.part_timeout),
-              "iteration_table_1": iteration_table(table_flags, args.part_timeout)}
+              "iteration_table_1": iteration_table(table_flags, args.part_timeout),
+              "engine": engine(args.engine_tests, iterations, job_flags, args.part_timeout)}
     print(json.dumps(result))
     return result
 

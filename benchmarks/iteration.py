@@ -22,6 +22,10 @@ Table 1, the default job's shape: B = 4 arithmetic chat prompts × G = 8, exactl
   sample.sample_completions with and without sharing and of `model.generate` (median of
   --floor-reps each), and the seconds of the shared sampler and of the reference pass apart (train.py
   runs the reference pass in the update, beside the policy's forward, and times it there).
+- With vLLM installed (./setup.sh --engine vllm), the engine too: `python train.py --engine vllm`
+  (shared) as above, with its weight reload per iteration (perf/engine_sync_s), and in a child
+  process the engine alone on the same batch: its start-up, tokens per second (median of
+  --floor-reps) and weight reload. Without vLLM, one line says it was not measured.
 - The compute floor: the iteration's matmul FLOPs, counted from the model's config and the shape
   as the code computes them (iteration_matmuls: sampling's prefill and decode steps, the reference
   forward, the update's forward and backward, attention and the LM head where it is applied),
@@ -74,6 +78,7 @@ def parse_args():
                    help="table 1 also times train.py of another checkout (an earlier commit: `git worktree add\n"
                         "DIR REV`), alternating with this one's, twice each: the change's cost in one run")
     p.add_argument("--cell", nargs=3, type=int, metavar=("P", "G", "SHARE"), help=argparse.SUPPRESS)
+    p.add_argument("--engine-rates", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -345,14 +350,15 @@ def run_train(argv, label="train.py", root=ROOT):
     return peak_rss_mb
 
 
-def run_project(args, model, run_dir, share, root=ROOT):
+def run_project(args, model, run_dir, share, root=ROOT, engine="sampler"):
     """train.py (of the checkout at `root`) in a child process; returns its iteration time, per-stage
-    medians and peak RSS."""
+    medians and peak RSS (and with --engine vllm, the engine's weight reload per iteration)."""
     total = args.warmup + args.save_every + 1          # one save cycle, then the last iteration (which always saves)
     peak_rss_mb = run_train(["--model", model, "--run-dir", run_dir, "--iterations", str(total), "--num-prompts",
                              str(B), "--group-size", str(G), "--max-new-tokens", str(T), "--temperature", str(TAU),
                              "--beta", str(BETA), "--epochs", "1", "--eval-every", "0", "--ignore-eos",
                              "--save-every", str(args.save_every), "--device", args.device,
+                             *([] if engine == "sampler" else ["--engine", engine]),
                              *([] if share else ["--no-prefix-sharing"])], root=root)
     metrics = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json")) for i in range(total)]
     cycle = metrics[args.warmup:args.warmup + args.save_every]
@@ -367,7 +373,56 @@ def run_project(args, model, run_dir, share, root=ROOT):
     stages["save policy/ (amortised)"] = max(excess, statistics.mean(m["perf/checkpoint_s"] for m in cycle))
     iteration_s = loop_s + stages["save policy/ (amortised)"]
     io_share = (stages["write stage files"] + stages["save policy/ (amortised)"]) / iteration_s
-    return {"iteration_s": iteration_s, "stages_s": stages, "io_share": io_share, "peak_rss_mb": peak_rss_mb}
+    sync = [m["perf/engine_sync_s"] for m in cycle if "perf/engine_sync_s" in m]
+    return {"iteration_s": iteration_s, "stages_s": stages, "io_share": io_share, "peak_rss_mb": peak_rss_mb,
+            **({"engine_sync_s": statistics.median(sync)} if sync else {})}
+
+
+def engine_rates(model_dir, reps, device):
+    """vLLM on table 1's batch, in this process (a child of the benchmark: the engine binds its
+    threads): seconds to start the engine (model load and the first weight reload), tokens per second
+    of its sampling (median of `reps`), and seconds of a weight reload (median)."""
+    from grpo import vllm_engine
+
+    tokenizer = loading.load_tokenizer(model_dir)
+    policy = loading.load_model(model_dir, device)
+    prompt_ids, prompt_mask = prompt_batch(tokenizer, device, B, G)
+    t = time.perf_counter()
+    engine = vllm_engine.start(policy, model_dir, T, B * G)
+    start_s = time.perf_counter() - t
+    draws = argparse.Namespace(temperature=TAU, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=T, ignore_eos=True)
+    sampling, reload = [], []
+    for rep in range(reps + 1):                            # the first draw warms the engine up
+        t = time.perf_counter()
+        engine.sample(prompt_ids, prompt_mask, G, draws, [], tokenizer.pad_token_id,
+                      torch.Generator(device=device).manual_seed(rep))
+        sampling.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        engine.load_weights(policy)
+        reload.append(time.perf_counter() - t)
+    engine.close()
+    print(json.dumps({"start_s": start_s, "tokens_per_s": B * G * T / statistics.median(sampling[1:]),
+                      "reload_s": statistics.median(reload[1:])}))
+
+
+def engine_table(args, model_dir, scratch):
+    """With vLLM installed: the engine's rates (engine_rates, in a child) and train.py --engine vllm."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("--engine vllm: not measured, vLLM is not installed here (./setup.sh --engine vllm)")
+        return None
+    child = subprocess.run([sys.executable, __file__, "--engine-rates", "--model", model_dir, "--device", args.device,
+                            "--floor-reps", str(args.floor_reps)], capture_output=True, text=True, cwd=ROOT)
+    if child.returncode != 0:
+        sys.exit(f"the engine's rates failed:\n{child.stderr}")
+    rates = json.loads(child.stdout.strip().splitlines()[-1])
+    run = run_project(args, model_dir, os.path.join(scratch, "vllm"), True, engine="vllm")
+    print(f"--engine vllm: iteration {run['iteration_s']:.3f} s (sample {run['stages_s']['sample']:.3f} s, the "
+          f"policy's forward for π_old included; weight reload {run['engine_sync_s']:.3f} s an iteration); the "
+          f"engine alone: start-up {rates['start_s']:.1f} s once, {rates['tokens_per_s']:.0f} tokens/s on this "
+          f"batch, reload {rates['reload_s']:.3f} s; peak RSS {run['peak_rss_mb']:.0f} MB")
+    return {"engine": rates, "train": run}
 
 
 def table_1(args, model_dir, device):
@@ -387,6 +442,7 @@ def table_1(args, model_dir, device):
         project = {name: run_project(args, model_dir, os.path.join(scratch, name), share)
                    for name, share in (("shared", True), ("unshared", False))}
         baseline = args.baseline and against_baseline(args, model_dir, scratch)
+        vllm_runs = engine_table(args, model_dir, scratch)
     runs += floor_runs(args.floor_reps - args.floor_reps // 2)
     floor = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     rates, in_process = sampler_rates(policy, ref, prompt_ids, prompt_mask, tokenizer.pad_token_id,
@@ -412,7 +468,7 @@ def table_1(args, model_dir, device):
     print_compute_floor(project["shared"], in_process, floor_c, floor)
     if baseline:
         print_baseline(baseline, args.baseline)
-    return {"project": project, "baseline": baseline, "floor_s": floor, "ratio_to_floor": ratios, "sampler_tokens_per_s": rates,
+    return {"project": project, "baseline": baseline, "vllm": vllm_runs, "floor_s": floor, "ratio_to_floor": ratios, "sampler_tokens_per_s": rates,
             "prompt_tokens": prompt_ids.shape[1], "in_process_s": in_process, "compute_floor": floor_c}
 
 
@@ -534,6 +590,8 @@ def main():
     device = distributed.pick_device(args.device)
     if args.cell:
         return cell(model_dir, device, *args.cell[:2], bool(args.cell[2]))
+    if args.engine_rates:
+        return engine_rates(model_dir, args.floor_reps, device)
     result = {"device": str(device), "model": model_dir}
     if args.table in (None, 1):
         result["table_1"] = table_1(args, model_dir, device)

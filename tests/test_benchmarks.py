@@ -65,7 +65,8 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_every_part():
     """benchmarks/gpu_check.py --small: the script a GPU day runs, end to end on the tiny model."""
     import gpu_check
 
-    result = gpu_check.main(["--small", "--tests", "tests/test_advantage.py::test_grpo_hand_vector"])
+    result = gpu_check.main(["--small", "--tests", "tests/test_advantage.py::test_grpo_hand_vector",
+                             "--engine-tests", "tests/test_vllm.py::test_vllm_is_installed"])
     assert result["tests"]["exit"] == 0 and result["tests"]["passed"] == 1
     job = result["default_job"]
     assert job["exit"] == 0 and len(job["charts/reward_mean"]) == 2, job
@@ -74,3 +75,8 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_every_part():
     table = result["iteration_table_1"]
     assert table["exit"] == 0, table
     assert table["table_1"]["sampler_tokens_per_s"]["generate"] > 0, table
+    engine = result["engine"]                               # the README's setup installs vLLM
+    assert engine["tests"]["exit"] == 0 and engine["tests"]["passed"] == 1, engine["tests"]
+    assert engine["default_job"]["exit"] == 0, engine["default_job"]
+    assert max(engine["default_job"]["diag/rollout_is_diff_max"][1:]) < 1e-3, engine["default_job"]
+    assert table["table_1"]["vllm"]["engine"]["tokens_per_s"] > 0, table
