@@ -324,7 +324,7 @@ CLAIMS = {
          Test("noise p = 0.1 costs GRPO more than PPO", ACC,
               {"grpo_p0": 1, "grpo_p0.1": -1, "ppo_p0": -1, "ppo_p0.1": 1}, ">"),
          Test("noise p = 0.2 costs GRPO", ACC, {"grpo_p0": 1, "grpo_p0.2": -1}, ">")],
-        ["mean(charts/reward_mean)", "mean(charts/frac_zero_std)"],
+        ["mean(charts/reward_mean)", "mean(charts/frac_zero_std)", "last10(charts/explained_variance)"],
         ["charts/reward_mean"], sweep="critic"),
 }
 # Cheapest and most informative first; C3 makes the default job's runs that C4, C5, C9 and C10 share.
