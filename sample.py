@@ -10,7 +10,7 @@ Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows; docs
             group_ids [N] int64    old_logprobs [N, T] f32
             ref_logprobs [N, T] f32 (with --ref-model)    truncated [N] bool
             values [N, T] f32 (with --critic: PPO's V_t, read where the logits of token t are)
-            sampler_logprobs [N, T] f32 (with --top-k/--top-p/--min-p: log q of the truncated draw)
+            sampler_logprobs [N, T] f32 (with --top-k/--top-p/--min-p or --engine vllm: log q of the draw)
         --out DIR/samples.jsonl  one object per row: group, prompt, completion, and the record's fields
 
 Example:
@@ -34,6 +34,9 @@ Choices where the paper and docs/formats.md are silent:
 - completion_mask is true up to and including the first EOS (any of the tokenizer's and the
   model's EOS ids); it never looks at the pad id, which a model may sample as an ordinary token.
   Ids after the first EOS are the pad id; T is trimmed to the longest completion.
+- --engine vllm has vLLM draw the completions instead (grpo/vllm_engine.py); log π_old is then the
+  policy's forward over them (modeling.rollout_logprobs, as update.py computes it) and the engine's
+  own log-probs are sampler_logprobs, which update.py --rollout-is reweighs (docs/numerics.md).
 - All rows are sampled from one seeded generator in --micro-batch-size chunks: a sample is
   reproducible for a given seed and micro-batch size. Under torchrun rank r samples a contiguous
   share of whole groups with the seed distributed.rank_seed(seed, r), and rank 0 writes them all.
@@ -302,11 +305,8 @@ def main(argv=None):
     ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     critic = loading.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 
-    engine = None
-    if args.engine == "vllm":
-        plain = lora.base_of(args.model) if lora.is_adapter(args.model) else args.model
-        engine = vllm_engine.start(policy, loading.model_dir(plain), args.max_new_tokens,
-                                   len(records) * args.group_size)
+    engine = (vllm_engine.start(policy, lora.plain_model_dir(args.model), args.max_new_tokens,
+                                len(records) * args.group_size) if args.engine == "vllm" else None)
 
     t0 = time.perf_counter()
     try:

@@ -51,6 +51,11 @@ def base_of(path):
     return files.read_json(os.path.join(loading.model_dir(path), "adapter_config.json"))["base_model_name_or_path"]
 
 
+def plain_model_dir(path):
+    """The folder of the plain model under `path`: its base for an adapter folder, else itself."""
+    return loading.model_dir(base_of(path) if is_adapter(path) else path)
+
+
 def load_policy(path, device, args):
     """The policy of `path`: a plain model; the base and adapters of an adapter folder; or, with --lora-r R
     > 0 and a plain folder, that model with fresh adapters. The adapters take gradients wherever they
