@@ -56,6 +56,7 @@ def start(policy, model_dir, max_new_tokens, rows):
         if head_dim not in sizes:
             raise StageError(f"{model_dir}: heads of {head_dim} dimensions; vLLM's CPU attention takes "
                              f"{', '.join(map(str, sizes))} (use --engine sampler)")
+    weights = merged_weights(distributed.unwrap(policy))          # what cannot reach it, refused first
     per_token = 2 * layers * heads * head_dim * dtype.itemsize                    # keys and values
     tokens = max(context, rows * (512 + max_new_tokens))  # all rows at once up to 512-token prompts; else queued
     llm = vllm.LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), seed=0,
@@ -63,7 +64,7 @@ def start(policy, model_dir, max_new_tokens, rows):
                    logprobs_mode="processed_logprobs", enforce_eager=not cuda, enable_prefix_caching=True,
                    gpu_memory_utilization=0.3 if cuda else 0.1)
     engine = Engine(llm)
-    engine.load_weights(policy)
+    engine.reload(weights)
     return engine
 
 
@@ -105,7 +106,10 @@ class Engine:
     def load_weights(self, policy):
         """Give the engine the policy's current weights in place (no restart): a LoRA policy's adapters
         merged into its base (the saved checkpoint keeps them apart); the prefix cache is dropped."""
-        weights = merged_weights(distributed.unwrap(policy))
+        self.reload(merged_weights(distributed.unwrap(policy)))
+
+    def reload(self, weights):
+        """Write {name: tensor} (the plain checkpoint's names) into the engine's model."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.llm.reset_prefix_cache()
 
@@ -125,6 +129,10 @@ def merged_weights(model):
     weights = {}
     for name, module in base.named_modules():
         if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            if name.endswith("lm_head") and base.config.tie_word_embeddings:
+                raise StageError("--engine vllm: adapters on an LM head tied to the embeddings cannot reach "
+                                 "the engine, whose head is its embeddings; leave lm_head out of "
+                                 "--lora-target-modules or use --engine sampler")
             delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
             weights[f"{name}.weight"] = module.base_layer.weight + delta
     for name, t in base.state_dict().items():

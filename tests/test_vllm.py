@@ -112,6 +112,11 @@ def test_engine_refusals(tiny32, models, prompts_file, tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, "sample.py", "--model", models["policy"], *map(str, base)], cwd=ROOT,
                        capture_output=True, text=True)                     # heads of 16 dimensions
     assert r.returncode == 2 and "vLLM's CPU attention takes" in r.stderr.strip().splitlines()[-1], r.stderr
+    r = subprocess.run([sys.executable, "train.py", "--config", "tiny", "--model", tiny32["policy"], "--engine",
+                        "vllm", "--lora-r", "4", "--lora-target-modules", "q_proj", "lm_head", "--run-dir",
+                        str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "adapters on an LM head tied" in r.stderr.strip().splitlines()[-1], r.stderr
+    assert not (tmp_path / "run").exists()
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert_user_error(cli("sample.py", "--model", tiny32["policy"], *base), "one process", "torchrun")
     monkeypatch.delenv("WORLD_SIZE")
