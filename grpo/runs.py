@@ -47,8 +47,8 @@ def check_combinations(cfg):
     if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations:
         raise StageError(f"--critic-warmup {cfg.critic_warmup}: the policy would never move in --iterations "
                          f"{cfg.iterations}; give 0 ≤ K < --iterations")
-    truncated = cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0
-    if cfg.rollout_is != "none" and not truncated and cfg.engine == "sampler":
+    if cfg.rollout_is != "none" and cfg.engine == "sampler" and not (cfg.top_k > 0 or cfg.top_p < 1.0
+                                                                      or cfg.min_p > 0.0):
         raise StageError(f"--rollout-is {cfg.rollout_is} reweighs tokens drawn by another engine or from a truncated "
                          f"distribution, and neither --engine vllm nor --top-k, --top-p or --min-p is given: π_old "
                          f"is the sampling distribution itself")

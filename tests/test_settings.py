@@ -33,6 +33,8 @@ PPO_KNOBS = {
     "vf_coef": 0.5, "value_clip": 0.3, "ignore_eos": True,
     "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.05, "lora_target_modules": ["q_proj", "v_proj"],
 }
+# Knobs another test gives a run: --engine vllm starts vLLM, which runs in its own process there.
+ELSEWHERE = {"engine": "tests/test_vllm.py::test_train_keeps_one_engine_that_follows_the_updates_and_learns"}
 # Where each stage's arguments are recorded in a run folder.
 RECORDED = {"sample.py": "iter_0001/rollouts.safetensors", "score.py": "iter_0001/rewards.safetensors",
             "advantage.py": "iter_0001/advantages.safetensors", "update.py": "policy/optimizer.safetensors"}
@@ -55,7 +57,7 @@ def metadata(path, key):
 
 
 def test_every_knob_train_exposes_is_a_stage_flag_with_a_test_value():
-    assert set(train.FLAGS) == set(GRPO_KNOBS) | set(PPO_KNOBS)
+    assert set(train.FLAGS) == set(GRPO_KNOBS) | set(PPO_KNOBS) | set(ELSEWHERE)
     for name, (action, scripts) in train.FLAGS.items():
         for script in scripts:                               # one name, one kind in every stage
             stage_action = next(a for a in train.STAGES[script].build_parser()._actions if a.dest == name)

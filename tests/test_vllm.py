@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, assert_user_error, cli
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo import builders, loading, modeling
@@ -139,6 +140,8 @@ def test_train_keeps_one_engine_that_follows_the_updates_and_learns(tiny32, tmp_
     r = run("train.py", "--config", "tiny", "--model", tiny32["policy"], "--engine", "vllm", "--iterations", 6,
             "--eval-every", 5, "--rollout-is", "tis", "--run-dir", run_dir, *extra)
     m = metrics(run_dir, 6)
+    with safe_open(str(run_dir / "iter_0001" / "rollouts.safetensors"), framework="pt") as f:
+        assert json.loads(f.metadata()["args"])["engine"] == "vllm"          # the knob reached sample.py
     assert all(x["perf/engine_sync_s"] > 0 for x in m)
     for x in m[1:]:
         assert x["diag/rollout_is_diff_max"] < TOLERANCE, x["diag/rollout_is_diff_max"]
