@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from grpo import distributed, loading
+from grpo import checkpoints, distributed, loading
 from grpo.cli import StageError
 
 
@@ -69,7 +69,8 @@ def start(policy, model_dir, max_new_tokens, rows):
 
 
 class Engine:
-    """A started vLLM engine: sample() draws completions, load_weights() gives it new weights."""
+    """A started vLLM engine: sample() draws completions, load_weights() gives it new weights, close()
+    stops it."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -113,7 +114,6 @@ class Engine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.llm.reset_prefix_cache()
 
-
     def close(self):
         """Stop the engine and the one-process group it started (before run_cli's own clean-up)."""
         self.llm.llm_engine.engine_core.shutdown()
@@ -124,7 +124,7 @@ def merged_weights(model):
     """A model's tensors under the plain checkpoint's names; for a peft LoRA model, each adapted
     layer's base weight plus its adapters' ΔW (peft's get_delta_weight), the model left unchanged."""
     if not loading.is_lora(model):
-        return {name: t.detach() for name, t in model.state_dict().items()}
+        return checkpoints.checkpoint_tensors(model)
     base = model.get_base_model()
     weights = {}
     for name, module in base.named_modules():
