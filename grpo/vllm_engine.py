@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from grpo import checkpoints, distributed, loading
+from grpo import distributed, loading
 from grpo.cli import StageError
 
 
@@ -123,8 +123,8 @@ class Engine:
 def merged_weights(model):
     """A model's tensors under the plain checkpoint's names; for a peft LoRA model, each adapted
     layer's base weight plus its adapters' ΔW (peft's get_delta_weight), the model left unchanged."""
-    if not loading.is_lora(model):
-        return checkpoints.checkpoint_tensors(model)
+    if not loading.is_lora(model):      # tied copies included: vLLM's reload fills only the layers given
+        return {name: t.detach() for name, t in model.state_dict().items()}
     base = model.get_base_model()
     weights = {}
     for name, module in base.named_modules():
