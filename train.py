@@ -5,6 +5,7 @@ process of torchrun).
     python train.py --config tiny    # a tiny Llama learning a toy task from scratch (seconds)
     python train.py --check          # sample the first batch, report its reward spread, write nothing
     python train.py --algo ppo       # the baseline: PPO with a critic and GAE, on the same stages
+    python train.py --engine vllm    # vLLM draws the completions (after ./setup.sh --engine vllm)
     python train.py --config-file runs/tiny/config.json --seed 1 --run-dir runs/tiny_seed1
     python train.py --reward exact_answer --reward my_rewards.py:format_reward --reward-weights 1 0.2
     python train.py --run-dir runs/default --resume --iterations 30     # continue a run
