@@ -386,13 +386,7 @@ def test_every_claim_runs_end_to_end_on_its_smoke_setting(name, smoke_out):
 
 # --- the tables on record ------------------------------------------------------------------------
 
-# C4's runs ended before records were kept: its table waits for its rerun (docs/claims.md) and
-# leaves this set in the commit that puts its records in.
-PENDING = {"c4"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="runs not yet on record"))
-                                  if n in PENDING else n for n in claims.CLAIMS])
+@pytest.mark.parametrize("name", claims.CLAIMS)
 def test_every_claims_table_recomputes_from_its_records_alone(name, tmp_path, monkeypatch):
     """A fresh checkout, with no run at all, rebuilds each claim's committed table byte for byte from
     experiments/records; a run missing from them would have to train, and fails the test instead."""
