@@ -78,6 +78,7 @@ def test_the_engine_writes_the_samplers_file(engine_runs, tiny32):
     for n in range(N):
         length = int(mask[n].sum())
         assert mask[n, :length].all() and not mask[n, length:].any()                   # a prefix
+        assert (t["completion_ids"][n, length:] == tokenizer.pad_token_id).all()       # padded after it
         ids = t["completion_ids"][n, :length].tolist()
         assert not eos & set(ids[:-1])                                                 # no EOS before the end
         assert bool(t["truncated"][n]) == (ids[-1] not in eos)
