@@ -85,9 +85,9 @@ def default_job(iterations, flags, timeout):
 
 def engine(selection, iterations, flags, timeout):
     """Part 4: tests/test_vllm.py and the default job under --engine vllm, where vLLM is installed."""
-    import importlib.util
+    from grpo import vllm_engine
 
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_engine.installed():
         print("vLLM is not installed here (./setup.sh --engine vllm): the engine was not checked")
         return "not installed"
     return {"tests": stage_tests(selection, timeout),

@@ -59,7 +59,8 @@ import torch  # noqa: E402
 
 import sample  # noqa: E402
 import update  # noqa: E402
-from grpo import builders, distributed, fast_decode, files, loading, modeling, optim, prompting, tasks  # noqa: E402
+from grpo import (builders, distributed, fast_decode, files, loading, modeling, optim, prompting, tasks,  # noqa: E402
+                  vllm_engine)
 
 B, G, T, TAU, BETA = 4, 8, 24, 0.7, 0.01
 SCALING_G, SCALING_P = (4, 8, 16), (40, 200, 800)
@@ -382,8 +383,6 @@ def engine_rates(model_dir, reps, device):
     """vLLM on table 1's batch, in this process (a child of the benchmark: the engine binds its
     threads): seconds to start the engine (model load and the first weight reload), tokens per second
     of its sampling (median of `reps`), and seconds of a weight reload (median)."""
-    from grpo import vllm_engine
-
     tokenizer = loading.load_tokenizer(model_dir)
     policy = loading.load_model(model_dir, device)
     prompt_ids, prompt_mask = prompt_batch(tokenizer, device, B, G)
@@ -407,9 +406,7 @@ def engine_rates(model_dir, reps, device):
 
 def engine_table(args, model_dir, scratch):
     """With vLLM installed: the engine's rates (engine_rates, in a child) and train.py --engine vllm."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_engine.installed():
         print("--engine vllm: not measured, vLLM is not installed here (./setup.sh --engine vllm)")
         return None
     child = subprocess.run([sys.executable, __file__, "--engine-rates", "--model", model_dir, "--device", args.device,

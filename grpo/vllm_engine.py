@@ -21,6 +21,13 @@ from grpo import distributed, loading
 from grpo.cli import StageError
 
 
+def installed():
+    """Whether vLLM can be imported here (./setup.sh --engine vllm installs it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def check(args):
     """What --engine vllm cannot do, refused before anything is read or written."""
     if args.engine != "vllm":

@@ -19,7 +19,7 @@ from conftest import ROOT, assert_user_error, cli
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from grpo import builders, loading, modeling
+from grpo import builders, loading, modeling, vllm_engine
 
 # float32 on both sides, different kernels: the gap measured on this CPU is 4e-5 at most (tiny model
 # and SmolLM2-135M); a stale weight or another distribution is off by orders of magnitude more.
@@ -33,9 +33,7 @@ def run(script, *args):
 
 
 def test_vllm_is_installed():
-    import importlib.util
-
-    assert importlib.util.find_spec("vllm") is not None, "vLLM is missing: ./setup.sh --engine vllm installs it"
+    assert vllm_engine.installed(), "vLLM is missing: ./setup.sh --engine vllm installs it"
 
 
 @pytest.fixture(scope="module")
