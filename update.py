@@ -68,8 +68,8 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from grpo import (checkpoints, diagnostics, distributed, loading, lora, modeling, optim, outputs, provenance, settings,
-                  stage_inputs)
+from grpo import (checkpoints, diagnostics, distributed, loading, lora, minibatches, modeling, optim, outputs,
+                  provenance, settings, stage_inputs)
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn, warn_once
 from grpo.settings import above, above_or_inf, at_least, between
 from grpo.update_metrics import UpdateMetrics
@@ -163,7 +163,7 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
     log π_ref comes from `ref_model` by the very call that computes log π_θ, on the same rows and
     shapes, so at θ = θ_ref the two are equal to the bit (docs/numerics.md); without one, from the
     rollouts' ref_logprobs."""
-    plan = minibatch_plan(rollouts, args.epochs, args)
+    plan = minibatches.plan(rollouts, args.epochs, args)
     rollouts = training_rows(policy, rollouts, advantages, args, plan[0])
     mismatch = diagnostics.rollout_mismatch(rollouts, args.rollout_is_cap) if "sampler_logprobs" in rollouts else {}
     log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level,
@@ -176,7 +176,7 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
             num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
             optimizer.zero_grad(set_to_none=True)
             log.start()
-            grad_norm = minibatch_gradient(policy, rollouts, rows, args, log.add, lambda batch: micro_batch_loss(
+            grad_norm = minibatches.gradient(policy, rollouts, rows, args, log.add, lambda batch: micro_batch_loss(
                 policy, ref_model, batch, args, num_seqs, num_tokens))
             bar.update(1)
             if not log.end_minibatch(grad_norm):      # NaN or inf would reach every weight
@@ -219,17 +219,18 @@ def train_critic(critic, rollouts, returns, args):
     one AdamW step each (at --critic-lr) on the clipped value loss towards `returns`, aggregated over
     tokens like the policy loss; returns its metrics: the means over its steps and the explained
     variance of the sampled V_old (how much of the returns' variance the critic predicted)."""
-    plan = minibatch_plan(rollouts, args.critic_epochs, args)
-    rollouts = {**{k: rollouts[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                            "values")}, "loss_mask": loss_mask(rollouts, args), "returns": returns}
+    plan = minibatches.plan(rollouts, args.critic_epochs, args)
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "values")
+    rollouts = {**{k: rollouts[k] for k in keys}, "returns": returns,
+                "loss_mask": minibatches.loss_mask(rollouts, args)}
     steps, skipped = [], 0
     with modeling.gradient_checkpointing([critic.model], args.gradient_checkpointing):
         for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
             num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
             critic.optimizer.zero_grad(set_to_none=True)
             step = Counter(dict.fromkeys(("value_loss", "value_clipped", "value_sum"), 0.0))
-            grad_norm = minibatch_gradient(critic.model, rollouts, rows, args, lambda _, __, sums: step.update(sums),
-                                           lambda batch: value_loss(critic.model, batch, args, num_seqs, num_tokens))
+            grad_norm = minibatches.gradient(critic.model, rollouts, rows, args, lambda _, __, sums: step.update(sums),
+                                             lambda batch: value_loss(critic.model, batch, args, num_seqs, num_tokens))
             step = distributed.all_reduce(step, "sum")
             if not (math.isfinite(step["value_loss"]) and math.isfinite(grad_norm)):
                 skipped = optim.skip_step(critic.optimizer, skipped, grad_norm, step["value_loss"],
@@ -257,49 +258,12 @@ def value_loss(critic, batch, args, num_seqs, num_tokens):
                                  "value_sum": torch.where(batch["loss_mask"], V.detach(), 0.0).sum().item()}
 
 
-def minibatch_gradient(model, rollouts, rows, args, record, loss_of):
-    """The gradient of one minibatch's loss in `model`, from this rank's share of its `rows`
-    (distributed.micro_batches) in micro-batches of --micro-batch-size, each backward carrying the
-    whole minibatch's normalisers, so that the gradient does not depend on the split; returns its norm
-    before clipping to --max-grad-norm. `loss_of(batch)` gives a micro-batch's (loss, terms), which
-    `record(batch, loss, terms)` takes. A pass of weight 0 pads a rank's share so that every rank joins
-    the same collectives; it adds nothing and is not recorded."""
-    device = next(model.parameters()).device
-    passes = distributed.micro_batches(rows, args.micro_batch_size)
-    for k, (idx, weight) in enumerate(passes):
-        batch = {key: v[idx].to(device) for key, v in rollouts.items()}
-        with distributed.grad_sync(model, k == len(passes) - 1):
-            loss, terms = loss_of(batch)
-            (loss * weight).backward()   # DDP and FSDP average over ranks; × world: a sum
-        if weight:
-            record(batch, loss, terms)
-    return optim.clip_gradients(model, args.max_grad_norm)
-
-
-def minibatch_plan(rollouts, epochs, args):
-    """[epochs][M] the rows of each AdamW step: each epoch a shuffle (seeded by --seed) of the N rows
-    cut into minibatches of --minibatch-size. The policy's and the critic's plans share their first
-    epochs."""
-    N = rollouts["group_ids"].shape[0]
-    generator = torch.Generator().manual_seed(args.seed)
-    minibatches = distributed.row_slices(N, args.minibatch_size)
-    return [[order[mb] for mb in minibatches] for order in (torch.randperm(N, generator=generator)
-                                                           for _ in range(epochs))]
-
-
-def loss_mask(rollouts, args):
-    """The tokens the losses train on: completion_mask, less the truncated rows with --mask-truncated
-    (DAPO's overlong filtering). [N, T]"""
-    mask = rollouts["completion_mask"]
-    return mask & ~rollouts["truncated"][:, None] if args.mask_truncated else mask
-
-
 def training_rows(policy, rollouts, advantages, args, first_epoch):
     """The rollouts the update trains on, with their advantages and loss_mask. With --old-logprobs
     recompute, log π_old comes from the policy as it is now, in the passes of the first epoch
     (`first_epoch`: its minibatches' rows), every rank's, so that the first step's ratio is exactly 1.
     With --rollout-is, each token's importance weight between that π_old and the sampler's q."""
-    rollouts = {**rollouts, "loss_mask": loss_mask(rollouts, args), "advantages": advantages}
+    rollouts = {**rollouts, "loss_mask": minibatches.loss_mask(rollouts, args), "advantages": advantages}
     if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
         passes = [idx for rows in first_epoch for idx in distributed.every_rank_passes(rows, args.micro_batch_size)]
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature, 0,
