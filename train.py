@@ -27,7 +27,6 @@ needs: --resume recomputes the iterations since the last save, bit for bit on a 
 
 import argparse
 import os
-import shutil
 import tempfile
 import time
 
@@ -37,8 +36,8 @@ import advantage
 import sample
 import score
 import update
-from grpo import (checkpoints, diagnostics, distributed, evaluation, files, provenance, run_log, runs, settings,
-                  tasks)
+from grpo import (checkpoints, diagnostics, distributed, evaluation, files, outputs, provenance, run_log, runs,
+                  settings, tasks)
 from grpo.cli import StageError, run_cli, warn
 from grpo.rollouts import dapo_dynamic_sampling
 
@@ -341,11 +340,12 @@ def main(argv=None):
     if records[2]["held_out_lines"] and not args.resume:
         warn(f"held out {len(records[1])} records of {cfg.prompts} for evaluation, chosen with --seed "
              f"{cfg.seed} (their lines are in config.json); training on the other {len(records[0])}")
+    made = not os.path.exists(run_dir)
     try:
         train(cfg, run_dir, args.resume, records)
     except Exception:
         if not args.resume and distributed.is_main() and not checkpoints.has_save(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)   # nothing to resume: the corrected command runs
+            outputs.remove_written(run_dir, made)       # nothing to resume: the corrected command runs
         raise
 
 

@@ -10,6 +10,7 @@ and never one of the command's inputs.
 
 import json
 import os
+import shutil
 
 from safetensors import SafetensorError, safe_open
 
@@ -48,6 +49,19 @@ def mark_dir(path, command, names=None):
             names = set(names) | set(earlier["files"])
         names = sorted(names)
     files.write_json(os.path.join(path, MARKER), {"command": command, "files": names})
+
+
+def remove_written(path, made):
+    """Remove what a failed command wrote into the folder `path`: the folder itself where the command
+    made it (`made`), else its contents (check_dir let the command in only where it was empty), so that
+    a folder the user made stays."""
+    if not os.path.isdir(path):
+        return
+    for entry in [path] if made else [os.path.join(path, name) for name in os.listdir(path)]:
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            os.remove(entry)
 
 
 def read_marker(path):

@@ -161,6 +161,9 @@ def test_skip_is_honoured_in_the_held_out_evaluation_with_the_weights_of_trainin
     r = cli("train.py", *argv, "--run-dir", tmp_path / "fail")
     assert_user_error(r, "reward", "fragile", "raised ValueError: cannot read", "--on-reward-error skip")
     assert not (tmp_path / "fail").exists()                   # failed at iteration 0's evaluation: nothing left
+    (tmp_path / "mine").mkdir()                               # a folder the user made for the run, empty
+    assert_user_error(cli("train.py", *argv, "--run-dir", tmp_path / "mine"), "raised ValueError: cannot read")
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())   # kept, and as it was
     r = cli("train.py", *argv, "--on-reward-error", "skip", "--run-dir", tmp_path / "fail")
     assert r.code == 0, r.err                                 # the corrected command runs as given
     metrics = json.loads((tmp_path / "fail" / "iter_0000" / "metrics.json").read_text())
