@@ -24,6 +24,7 @@ import json
 import os
 import re
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,11 +124,14 @@ def main(argv=None):
         tiny = builders.make_tiny_llama(os.path.join(tmp, "tiny"), num_heads=2)   # heads vLLM's CPU path takes
         job_flags = ["--config", "tiny", "--model", tiny, "--max-new-tokens", "8"]
         table_flags += ["--model", tiny]
-    result = {"environment": environment(),
-              "tests": stage_tests(TESTS if args.tests is None else args.tests, args.part_timeout),
-              "default_job": default_job(iterations, job_flags, args.part_timeout),
-              "iteration_table_1": iteration_table(table_flags, args.part_timeout),
-              "engine": engine(args.engine_tests, iterations, job_flags, args.part_timeout)}
+    try:
+        result = {"environment": environment(),
+                  "tests": stage_tests(TESTS if args.tests is None else args.tests, args.part_timeout),
+                  "default_job": default_job(iterations, job_flags, args.part_timeout),
+                  "iteration_table_1": iteration_table(table_flags, args.part_timeout),
+                  "engine": engine(args.engine_tests, iterations, job_flags, args.part_timeout)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(result))
     return result
 

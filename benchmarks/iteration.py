@@ -435,7 +435,8 @@ def table_1(args, model_dir, device):
     # slows down or speeds up over the minutes of the benchmark weighs on both sides alike.
     floor_runs(1)
     runs = floor_runs(args.floor_reps // 2)
-    with tempfile.TemporaryDirectory(dir=ROOT) as scratch:
+    # The system's temporary folder: a benchmark killed midway leaves nothing in the repository.
+    with tempfile.TemporaryDirectory() as scratch:
         project = {name: run_project(args, model_dir, os.path.join(scratch, name), share)
                    for name, share in (("shared", True), ("unshared", False))}
         baseline = args.baseline and against_baseline(args, model_dir, scratch)
