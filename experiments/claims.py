@@ -802,7 +802,8 @@ def summary_table(name, claim, arms, runs, sweep, setup, first=None, plan=None):
              f"Each arm: `train.py` ({base}){''.join(' ' + f for f in claim.common)} + the arm's flags"
              f"{''.join(' ' + f for f in setup.last)}, "
              f"`--iterations {K} --eval-every {setup.eval_every} --seed S`, seeds 0–{max(seeds) - 1} "
-             f"({'/'.join(map(str, seeds))} per arm). Command: `python -m experiments.claims {name}`.", "",
+             f"({'/'.join(map(str, seeds))} per arm). Command: `python -m experiments.claims {name}"
+             f"{' --second-look' if max(seeds) > (first or max(seeds)) else ''}`.", "",
              "## Pre-stated tests (Welch 95% interval over seeds; the first is the claim's verdict)", "",
              "| test | metric | contrast | predicted | estimate | 95% interval | verdict | family-wise (Holm) "
              "| seeds an arm to decide |",
@@ -965,15 +966,20 @@ def parse_args(argv=None):
     return args, setup
 
 
+def second_look_seeds(name):
+    """{arm: seeds} of the claim's planned second look (experiments/second_look.json), or None."""
+    planned = json.load(open(SECOND_LOOK))["tests"].get(name)
+    return dict.fromkeys(planned["arms"], planned["seeds"]) if planned else None
+
+
 def main(argv=None):
     args, setup = parse_args(argv)
     sys.path.insert(0, ROOT)
     os.chdir(ROOT)
     names = ORDER if "all" in args.claims else list(dict.fromkeys(args.claims))
     failed = []
-    plan = json.load(open(SECOND_LOOK))["tests"] if args.second_look else {}
     for name in names:
-        more = dict.fromkeys(plan[name]["arms"], plan[name]["seeds"]) if name in plan else None
+        more = second_look_seeds(name) if args.second_look else None
         try:
             print(run_claim(name, args.seeds, setup, more, commit=args.commit), flush=True)
         except RunFailed as e:

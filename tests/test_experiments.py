@@ -398,7 +398,7 @@ def test_every_claims_table_recomputes_from_its_records_alone(name, tmp_path, mo
     args, setup = claims.parse_args([name])
     setup.results, setup.records = str(tmp_path), str(tmp_path / "records")
     shutil.copytree(claims.RECORDS, setup.records)                   # what a run would keep stays here
-    claims.run_claim(name, args.seeds, setup)
+    claims.run_claim(name, args.seeds, setup, claims.second_look_seeds(name))    # as --second-look reads it
     committed = os.path.join(claims.RESULTS, f"{name}.md")
     assert (tmp_path / f"{name}.md").read_text() == open(committed).read()
 
