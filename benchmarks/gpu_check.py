@@ -23,8 +23,8 @@ import argparse
 import json
 import os
 import re
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile

@@ -8,6 +8,7 @@ that is a file (score.py's, advantage.py's) is new, or a stage file of that comm
 and never one of the command's inputs.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -60,8 +61,9 @@ def remove_written(path, made):
     for entry in [path] if made else [os.path.join(path, name) for name in os.listdir(path)]:
         if os.path.isdir(entry) and not os.path.islink(entry):
             shutil.rmtree(entry, ignore_errors=True)
-        else:
-            os.remove(entry)
+        else:                                   # in an error's path: never hide the error it cleans up after
+            with contextlib.suppress(OSError):
+                os.remove(entry)
 
 
 def read_marker(path):
