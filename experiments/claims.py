@@ -139,6 +139,10 @@ class Claim:
     # B or G would otherwise replace them in the arm that leaves them unsaid); left out under the
     # default job, so that its runs keep their names.
     pins: list = field(default_factory=list)
+    first_seed: int = 0         # the arms' seeds are first_seed, first_seed + 1, ...
+
+    def seeds(self, n):
+        return range(self.first_seed, self.first_seed + n)
 
 
 @dataclass
@@ -231,7 +235,9 @@ CLAIMS = {
         "weights with a zero value head, GAE γ = 1, λ = 0.95). The critic's settings are chosen "
         "first by a pre-stated search on seeds 0 and 1 (its lr, its steps an iteration, a warm-up of "
         "the critic alone; SWEEPS['critic']) by the PPO runs' mean training reward, and reported against "
-        "a target of explained variance 0.2 over the last 10 iterations (the search's table below). Metric: held-out accuracy AUC; predicted GRPO "
+        "a target of explained variance 0.2 over the last 10 iterations (the search's table below). The "
+        "arms run seeds 3 on, so that no run that chose the critic's setting is one of the test's, and both arms "
+        "run on one commit and machine (the runs' records say which). Metric: held-out accuracy AUC; predicted GRPO "
         "above PPO (a result not distinguishable is what 'at least as good' allows, but does not "
         "show). Peak RSS and CPU seconds per iteration are tests of 'cheaper'; 'steadier' is read "
         "from the spread over seeds in the table, not tested.",
@@ -240,7 +246,8 @@ CLAIMS = {
          Test("GRPO needs less memory", "peak_rss_gb", {"grpo": 1, "ppo": -1}, "<"),
          Test("GRPO needs less CPU per iteration", "cpu_s_per_iter", {"grpo": 1, "ppo": -1}, "<")],
         ["mean(charts/reward_mean)", "last10(charts/explained_variance)", "cpu_s_per_iter"],
-        ["charts/reward_mean", "losses/value_loss", "charts/explained_variance"], sweep="critic"),
+        ["charts/reward_mean", "losses/value_loss", "charts/explained_variance"], sweep="critic",
+        first_seed=3),
     "c6": Claim(
         "A reward that correlates with length makes answers grow; the length penalty and the "
         "length-stratified advantage curb it.",
@@ -427,6 +434,24 @@ def canonical(argv):
     return [x for flag in sorted(flags) for x in (flag, *flags[flag])]
 
 
+def run_key(argv):
+    """The name of a run: the hash of its canonical flags."""
+    return hashlib.sha256(json.dumps(canonical(argv)).encode()).hexdigest()[:12]
+
+
+# Runs on record whose code has since changed their numbers: each is run again on today's code when a
+# claim asks for it, once (its new record names its commit), and its record replaced. The default
+# job's seeds 0–2, which C3, C4, C9 and C10 share, ran before the drift fix of dd87ca3 (a step with no
+# signal moved the policy through the KL term), the other arms of those claims after it.
+STALE = {run_key(["--seed", str(seed), "--iterations", str(ITERATIONS), "--eval-every", str(EVAL_EVERY),
+                  "--save-every", str(SAVE_EVERY)]) for seed in range(3)}
+
+
+def is_stale(record):
+    """A record of STALE not yet run again (none of its attempts names the code that made it)."""
+    return record["key"] in STALE and not any("made_by" in a for a in record["experiment"].get("attempts", []))
+
+
 def flag_value(argv, flag):
     return argv[argv.index(flag) + 1]
 
@@ -469,19 +494,51 @@ def find_record(records, key):
 
 def keep(record, records, claim):
     """Add a finished run's record to records/CLAIM.jsonl.gz, the file of the claim that first asked for
-    it: one JSON line a run, sorted by key, gzip without a time stamp, so that the file's bytes depend
-    on its runs alone."""
-    path = os.path.join(records, f"{claim}.jsonl.gz")
+    it, and drop an earlier record of the same run (a STALE one rerun) from every other claim's file:
+    one JSON line a run, sorted by key, gzip without a time stamp, so that the file's bytes depend on
+    its runs alone."""
+    own = os.path.join(records, f"{claim}.jsonl.gz")
     with KEEPING:                                     # --jobs: one thread writes a file at a time
-        lines = {}
-        if os.path.isfile(path):
-            with gzip.open(path, "rt") as f:
-                lines = {json.loads(line)["key"]: line for line in f}
-        lines[record["key"]] = json.dumps(record) + "\n"
-        os.makedirs(records, exist_ok=True)
-        with open(path + ".tmp", "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
-            f.write("".join(lines[key] for key in sorted(lines)).encode())
-        os.replace(path + ".tmp", path)
+        for path in sorted({own, *glob.glob(os.path.join(records, "*.jsonl.gz"))}):
+            lines = {}
+            if os.path.isfile(path):
+                with gzip.open(path, "rt") as f:
+                    lines = {json.loads(line)["key"]: line for line in f}
+            if path != own and record["key"] not in lines:
+                continue
+            lines.pop(record["key"], None)
+            if path == own:
+                lines[record["key"]] = json.dumps(record) + "\n"
+            os.makedirs(records, exist_ok=True)
+            with open(path + ".tmp", "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
+                f.write("".join(lines[key] for key in sorted(lines)).encode())
+            os.replace(path + ".tmp", path)
+
+
+def code_and_machine(threads):
+    """What makes an attempt: the commit of this checkout and whether its tree was clean (tracked
+    files; the runs' own folders are ignored), the CPU (model name, family/model numbers, which tell
+    processors of one name apart) and its cores, the versions that change numbers, torch threads."""
+    import platform
+
+    import torch
+    import transformers
+
+    def git(*args):
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    cpu = {}
+    if os.path.isfile("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "clean": None if status is None else status == "",
+            "cpu": cpu.get("model name") or platform.processor() or "unknown",
+            "cpu_family_model": f"{cpu['cpu family']}/{cpu['model']}" if "cpu family" in cpu else "unknown",
+            "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "threads": threads}
 
 
 def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
@@ -492,11 +549,14 @@ def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
     if STOPPING:                                      # SIGTERM came: start no other run
         raise RunFailed(f"{label}: stopped")
     argv = canonical(argv)
-    key = hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:12]
+    key = run_key(argv)
     run_dir = os.path.join(runs_root, "pool", key)
     log, pid, attempts_path = run_dir + ".log", run_dir + ".pid", run_dir + ".attempts.json"
     done = os.path.join(run_dir, "experiment.json")
     found = find_record(records, key) if records else None
+    if found and is_stale(found):
+        found = None
+        shutil.rmtree(run_dir, ignore_errors=True)    # a finished folder of the same stale run
     if found or os.path.isfile(done):
         if os.path.isdir(run_dir):                    # run in this checkout: named for this claim too
             link(run_dir, os.path.join(runs_root, name))
@@ -524,9 +584,10 @@ def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
         shutil.rmtree(run_dir, ignore_errors=True)
         resumed_from, train_argv = 0, [*argv, "--run-dir", run_dir]
         print(f"{label}: running ({run_dir})", flush=True)
+    made_by = code_and_machine(threads)
     code, wall, cpu, rss = run_child(train_argv, log, pid, threads)
     attempts.append({"from_iteration": resumed_from, "exit_code": code, "wall_s": wall, "cpu_s": cpu,
-                     "peak_rss_mb": rss, "threads": threads})
+                     "peak_rss_mb": rss, "threads": threads, "made_by": made_by})
     with open(attempts_path, "w") as f:
         json.dump(attempts, f, indent=1)
     if code != 0:
@@ -634,10 +695,10 @@ def run_claim(name, seeds, setup, arm_seeds=None, commit=False):
     claim = CLAIMS[name]
     arms, sweep = resolve(claim, name, setup)
     arm_seeds = {arm: max(seeds, (arm_seeds or {}).get(arm, 0)) for arm in arms}
-    jobs = [(arm, seed) for seed in range(max(arm_seeds.values()))     # seed-major: every arm's seed 0 first
-            for arm in arms if seed < arm_seeds[arm]]
+    jobs = [(arm, seed) for seed in claim.seeds(max(arm_seeds.values()))     # seed-major: every arm's first seed first
+            for arm in arms if seed in claim.seeds(arm_seeds[arm])]
     done = run_arms(name, claim, arms, jobs, setup)
-    runs = {arm: [done[(arm, s)] for s in range(arm_seeds[arm])] for arm in arms}
+    runs = {arm: [done[(arm, s)] for s in claim.seeds(arm_seeds[arm])] for arm in arms}
     os.makedirs(setup.results, exist_ok=True)
     figure(name, claim, runs, os.path.join(setup.results, f"{name}.png"))
     plan = json.load(open(SECOND_LOOK))
@@ -801,7 +862,8 @@ def summary_table(name, claim, arms, runs, sweep, setup, first=None, plan=None):
     lines = [f"# {name.upper()}: {claim.text}", "", claim.doc, "",
              f"Each arm: `train.py` ({base}){''.join(' ' + f for f in claim.common)} + the arm's flags"
              f"{''.join(' ' + f for f in setup.last)}, "
-             f"`--iterations {K} --eval-every {setup.eval_every} --seed S`, seeds 0–{max(seeds) - 1} "
+             f"`--iterations {K} --eval-every {setup.eval_every} --seed S`, seeds {claim.first_seed}–"
+             f"{claim.first_seed + max(seeds) - 1} "
              f"({'/'.join(map(str, seeds))} per arm). Command: `python -m experiments.claims {name}"
              f"{' --second-look' if max(seeds) > (first or max(seeds)) else ''}`.", "",
              "## Pre-stated tests (Welch 95% interval over seeds; the first is the claim's verdict)", "",
@@ -904,8 +966,8 @@ def unclear_arms(name, setup, seeds):
     claim = CLAIMS[name]
     arms, _ = resolve(claim, name, setup)
     test = claim.tests[0]
-    done = run_arms(name, claim, arms, [(arm, s) for arm in test.contrast for s in range(seeds)], setup)
-    values = {arm: [done[(arm, s)].metric(test.metric) for s in range(seeds)] for arm in test.contrast}
+    done = run_arms(name, claim, arms, [(arm, s) for arm in test.contrast for s in claim.seeds(seeds)], setup)
+    values = {arm: [done[(arm, s)].metric(test.metric) for s in claim.seeds(seeds)] for arm in test.contrast}
     return {} if decide(test, values)[4] != stats.UNCLEAR else dict.fromkeys(test.contrast)
 
 

@@ -379,7 +379,7 @@ def test_every_claim_runs_end_to_end_on_its_smoke_setting(name, smoke_out):
     assert [row.split(" | ")[0][2:] for row in arms] == list(claims.CLAIMS[name].arms)
     assert "nan" not in table and "Compute: " in table
     for arm in claims.CLAIMS[name].arms:
-        run = smoke_out / "runs" / name / f"{arm}_seed0"
+        run = smoke_out / "runs" / name / f"{arm}_seed{claims.CLAIMS[name].first_seed}"
         assert (run / "iter_0001" / "metrics.json").is_file() and (run / "experiment.json").is_file()
         assert not (run / "policy").exists()
 
