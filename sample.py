@@ -221,13 +221,14 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("pr
 # ----------------------------------------------------------------------------------------
 # Reading and writing files
 
-def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None):
+def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None, tokenizer_fingerprint=None):
     """samples.jsonl, then rollouts.safetensors, each renamed into place when complete; the rollouts,
     which every later stage opens first, appear last. Their metadata's made_from names the policy that
-    sampled them and their samples.jsonl rows (grpo/provenance.py)."""
+    sampled them, its tokenizer and their samples.jsonl rows (grpo/provenance.py)."""
     files.make_dir(out_dir)
     files.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
-    made_from = {"policy": policy_fingerprint, "samples": provenance.samples_digest(samples)}
+    made_from = {"policy": policy_fingerprint, "tokenizer": tokenizer_fingerprint,
+                 "samples": provenance.samples_digest(samples)}
     files.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, files.ROLLOUTS[0], vars(args),
                        made_from=made_from)
 
@@ -318,8 +319,10 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     if not distributed.is_main():
         return
-    write_outputs(args.out, tensors, samples, args, provenance.fingerprint(policy))
+    files.make_dir(args.out)                 # marked first: a folder cut short by Ctrl-C is still this command's
     outputs.mark_dir(args.out, "sample.py", ["rollouts.safetensors", "samples.jsonl"])
+    write_outputs(args.out, tensors, samples, args, provenance.fingerprint(policy),
+                  provenance.tokenizer_fingerprint(tokenizer))
 
     lengths = tensors["completion_mask"].sum(-1).float()
     print(f"sampled {len(samples)} completions ({len(records)} prompts × G={args.group_size}) in "

@@ -125,21 +125,20 @@ def call_reward(name, fn, prompts, completions, fields, on_error="fail"):
     problem, bad = None, torch.zeros(n, dtype=torch.bool)
     try:
         values = fn(prompts=prompts, completions=completions, **fields)
-    except Exception as e:  # a user's reward may raise anything; say which reward, what, and its inputs
+    except (Exception, SystemExit) as e:  # a user's reward may raise anything, exit() too: say which, what
         problem, values = f"raised {type(e).__name__}: {e} (its fields: {', '.join(sorted(fields))})", None
     if problem is None:
-        if isinstance(values, torch.Tensor):
+        if hasattr(values, "tolist"):                       # a tensor or a numpy array
             values = values.tolist()
-        if values is None or not hasattr(values, "__len__") or len(values) != n:
-            got = ("None" if values is None else f"{len(values)} values" if hasattr(values, "__len__")
-                   else type(values).__name__)
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = (f"{len(values)} values" if isinstance(values, (list, tuple)) else
+                   "None" if values is None else f"a {type(values).__name__}")
             problem = f"returned {got}, expected a list of {n} floats or None (one per completion)"
         else:
-            bad = torch.tensor([v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v))
-                                for v in values], dtype=torch.bool)
+            bad = torch.tensor([v is not None and not finite_number(v) for v in values], dtype=torch.bool)
             if bad.any():
                 rows = files.format_rows(torch.nonzero(bad).flatten())
-                problem = f"returned NaN, infinite or non-numbers in rows {rows}"
+                problem = f"returned NaN, infinite (or beyond float32), or non-numbers in rows {rows}"
     if problem is not None and on_error == "fail":
         raise StageError(f"reward {name!r} {problem} (--on-reward-error skip leaves such rows out)")
     if problem is not None and not bad.any():       # it raised or gave the wrong length: every row
@@ -149,6 +148,16 @@ def call_reward(name, fn, prompts, completions, fields, on_error="fail"):
              f"their group's mean and std)")
     r = [math.nan if b or v is None else float(v) for v, b in zip(values, bad.tolist())]
     return torch.tensor(r, dtype=torch.float32), bad                                         # [N]
+
+
+def finite_number(v):
+    """Whether a reward value is a real number float32 can hold as a finite value (10**400 is not)."""
+    if not isinstance(v, numbers.Real):
+        return False
+    try:
+        return math.isfinite(v) and abs(float(v)) <= torch.finfo(torch.float32).max
+    except OverflowError:                                   # an int too large for a float
+        return False
 
 
 def trl_inputs(samples):

@@ -91,7 +91,8 @@ def train(cfg, run_dir, resume, records):
     from torch.utils.tensorboard import SummaryWriter
 
     main = distributed.is_main()
-    done, bad_steps = distributed.broadcast_ints(checkpoints.restore(run_dir) if resume and main else (0, 0))
+    done, bad_steps = distributed.broadcast_ints(checkpoints.restore(run_dir, cfg.save_every or cfg.iterations)
+                                                 if resume and main else (0, 0))
     if done > cfg.iterations:
         raise StageError(f"{run_dir} has saved {done} iterations, more than --iterations {cfg.iterations}")
     if resume and main:
@@ -151,7 +152,8 @@ def train(cfg, run_dir, resume, records):
             with runs.timed(perf, "perf/io_s"):
                 if main:            # each file's made_from names the one before it (grpo/provenance.py)
                     files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
-                    sample.write_outputs(it_dir, rollouts, samples, sample_args, provenance.fingerprint(models.sampler))
+                    sample.write_outputs(it_dir, rollouts, samples, sample_args, provenance.fingerprint(models.sampler),
+                                         models.tokenizer_fingerprint)
                     made_from = provenance.rewards_made_from(score_args.rollouts, samples)
                     score.write_rewards(score_args.out, rewards, rollouts["group_ids"], batch["components"],
                                         score_args, lengths, skipped, made_from)
@@ -341,12 +343,16 @@ def main(argv=None):
         warn(f"held out {len(records[1])} records of {cfg.prompts} for evaluation, chosen with --seed "
              f"{cfg.seed} (their lines are in config.json); training on the other {len(records[0])}")
     made = not os.path.exists(run_dir)
+    lock = runs.lock_run(run_dir, args.resume) if distributed.is_main() else None    # one writer
     try:
         train(cfg, run_dir, args.resume, records)
     except Exception:
         if not args.resume and distributed.is_main() and not checkpoints.has_save(run_dir):
             outputs.remove_written(run_dir, made)       # nothing to resume: the corrected command runs
         raise
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 if __name__ == "__main__":

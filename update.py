@@ -370,9 +370,9 @@ def build_parser():
 
 
 # What each setting may be, checked before anything is read or written (train.py's runs too).
-RULES = {"lr": at_least(0), "warmup_steps": at_least(0), "beta": at_least(0),
+RULES = {"lr": between(0, 1), "warmup_steps": at_least(0), "beta": at_least(0),
          "clip_eps": between(0, 1, lo_open=True), "clip_eps_high": above(0), "dual_clip": above(1),
-         "entropy_coef": at_least(0), "critic_lr": above(0), "critic_epochs": at_least(1), "vf_coef": at_least(0),
+         "entropy_coef": at_least(0), "critic_lr": between(0, 1, lo_open=True), "critic_epochs": at_least(1), "vf_coef": at_least(0),
          "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0), "rollout_is_cap": at_least(1),
          "micro_batch_size": at_least(0), "max_grad_norm": above_or_inf(0), "weight_decay": at_least(0),
          "temperature": above(0), "max_new_tokens": at_least(1), "max_bad_steps": at_least(0),
@@ -411,8 +411,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     outputs.check_dir(args.out, "update.py")
+    outputs.check_apart(args.out, "--out", {"--model": args.model})
     if args.critic_out:
         outputs.check_dir(args.critic_out, "update.py", "--critic-out")
+        outputs.check_apart(args.critic_out, "--critic-out",
+                            {"--out": args.out, "--critic": args.critic, "--model": args.model})
     if args.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
     if args.kl_estimator == "k1" and args.beta != 0:
@@ -421,6 +424,8 @@ def main(argv=None):
     device = distributed.init_distributed(args.device)
     tokenizer = loading.load_tokenizer(args.model, args.trust_remote_code)
     policy = lora.load_policy(args.model, device, args)          # or its LoRA adapters
+    provenance.tokenizer_of_rollouts(args.rollouts, tokenizer, args.model, args.allow_mismatch)
+    stage_inputs.check_token_ids(args.rollouts, rollouts, policy)
     if args.old_logprobs == "sampler":
         provenance.policy_of_rollouts(args.rollouts, policy, args.model, args.allow_mismatch)
     provenance.check_tokenizers(tokenizer, args)

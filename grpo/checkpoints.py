@@ -47,8 +47,8 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None, c
     and leaves `out_dir` as it was.
     """
     quiet_transformers()
-    out_dir = out_dir.rstrip("/")
-    tmp = f"{out_dir}.tmp.{os.getpid()}"
+    out_dir = os.path.realpath(out_dir)                  # a symlink's folder is written, the link kept
+    tmp = files.scratch_name(out_dir, "tmp")
     adapters = loading.is_lora(model)
     weights = checkpoint_tensors(model) if weights is None and not adapters else weights
     try:
@@ -102,7 +102,7 @@ def load_optimizer_state(policy, optimizer, path):
             saved = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a damaged file raises several types; all mean the same here
         raise StageError(f"{path}: not a readable optimizer state ({str(e).splitlines()[0]}); "
-                         f"delete it or pass --fresh-optimizer") from None
+                         f"update.py --fresh-optimizer starts AdamW without it") from None
     if not saved:                       # an optimizer that never stepped (a critic warm-up's frozen policy)
         return
     device = next(policy.parameters()).device
@@ -112,7 +112,7 @@ def load_optimizer_state(policy, optimizer, path):
         state = {key: saved.get(f"{name}/{key}") for key in ("step", "exp_avg", "exp_avg_sq")}
         if any(v is None for v in state.values()):
             raise StageError(f"{path}: no AdamW state for parameter {name}; is it from another model? "
-                             f"(--fresh-optimizer ignores it)")
+                             f"(update.py --fresh-optimizer ignores it)")
         for key in ("exp_avg", "exp_avg_sq"):
             if state[key].shape != p.shape:
                 raise StageError(f"{path}: {name}/{key} has shape {list(state[key].shape)}, "
@@ -202,17 +202,57 @@ def save_policy(policy, tokenizer, optimizer, metrics, args, out_dir, extra_file
 # ----------------------------------------------------------------------------------------
 # train.py's run folder
 
-def restore(run_dir):
+def restore(run_dir, first_save):
     """(iterations in the last save, bad steps so far) of run_dir, repairing what a kill may have left
-    (a checkpoint swap cut short, half-written copies)."""
+    (a checkpoint swap cut short, half-written copies under the project's scratch names).
+
+    Without a readable policy/train_state.json, the run resumes from its last complete kept checkpoint
+    (linked back into policy/, and said), or from the start when nothing was ever saved (no policy/,
+    no kept checkpoint and no complete iteration at or after `first_save`, the first save point: the
+    iterations there are recomputed from the base model). Anything else is refused in one line, and
+    nothing is deleted: a resume never removes what it cannot rebuild."""
     policy_dir = os.path.join(run_dir, "policy")
     files.recover_dir(policy_dir)                            # killed inside files.replace_dir
-    for pattern in ("*.tmp*", os.path.join("checkpoints", "*.tmp*")):
+    for pattern in (".*.grpo-tmp.*", os.path.join("checkpoints", ".*.grpo-tmp.*")):
         for path in glob.glob(os.path.join(run_dir, pattern)):
             shutil.rmtree(path, ignore_errors=True)          # half-written copies of a killed run
-    state_file = os.path.join(policy_dir, "train_state.json")
-    state = files.read_json(state_file) if os.path.isfile(state_file) else {"iteration": 0, "bad_steps": 0}
-    return state["iteration"], state["bad_steps"]
+    state = read_state(policy_dir)
+    if state is not None:
+        return state["iteration"], state["bad_steps"]
+    kept = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "iter_[0-9][0-9][0-9][0-9]")))
+    complete = [path for path in kept if is_complete_save(path, int(path[-4:]))]
+    if complete:
+        path = complete[-1]
+        print(f"{run_dir}: policy/train_state.json is missing or damaged; resuming from the kept "
+              f"checkpoint {os.path.relpath(path, run_dir)}", flush=True)
+        link_tree(path, policy_dir)
+        state = read_state(policy_dir)
+        return state["iteration"], state["bad_steps"]
+    saved_after = [d for d in glob.glob(os.path.join(run_dir, "iter_[0-9][0-9][0-9][0-9]"))
+                   if int(d[-4:]) >= first_save and os.path.isfile(os.path.join(d, "metrics.json"))]
+    if os.path.isdir(policy_dir) or kept or saved_after:
+        raise StageError(f"{run_dir}: policy/train_state.json is missing or damaged and no kept checkpoint is "
+                         f"complete, so there is no save to resume from; nothing was changed (start a new run "
+                         f"in another --run-dir)")
+    return 0, 0
+
+
+def read_state(save_dir):
+    """A save's train_state.json ({"iteration", "bad_steps"}), or None where it is missing or damaged."""
+    try:
+        state = files.read_json(os.path.join(save_dir, "train_state.json"))
+    except StageError:
+        return None
+    ok = isinstance(state, dict) and all(isinstance(state.get(k), int) for k in ("iteration", "bad_steps"))
+    return state if ok else None
+
+
+def is_complete_save(path, iteration):
+    """Whether a kept checkpoint holds a whole save of `iteration`: its state, weights and AdamW state."""
+    state = read_state(path)
+    weights = any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "adapter_model.safetensors"))
+    return (state is not None and state["iteration"] == iteration and weights
+            and os.path.isfile(os.path.join(path, "optimizer.safetensors")))
 
 
 def drop_iterations(run_dir, done):
@@ -280,14 +320,19 @@ def keep_checkpoint(run_dir, i):
     """checkpoint_dir(run_dir, i): policy/ (the policy about to sample iteration i) as hard links, which
     cost no time, and no space until policy/ is replaced (then they keep the old files: a whole save's
     size); a copy where links are not possible."""
-    keep = checkpoint_dir(run_dir, i)
-    shutil.rmtree(keep + ".tmp", ignore_errors=True)
+    link_tree(os.path.join(run_dir, "policy"), checkpoint_dir(run_dir, i))
 
-    def link(src, dst):
+
+def link_tree(src, dst):
+    """Folder `dst` made a copy of `src` by hard links, through a scratch folder and files.replace_dir."""
+    tmp = files.scratch_name(dst, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(a, b):
         try:
-            os.link(src, dst)
+            os.link(a, b)
         except OSError:
-            shutil.copy2(src, dst)
+            shutil.copy2(a, b)
 
-    shutil.copytree(os.path.join(run_dir, "policy"), keep + ".tmp", copy_function=link)
-    files.replace_dir(keep + ".tmp", keep)
+    shutil.copytree(src, tmp, copy_function=link)
+    files.replace_dir(tmp, dst)

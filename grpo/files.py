@@ -1,12 +1,17 @@
 """Files between stages: schemas, checked loading, atomic writes, JSON and JSON lines.
 
 Every file is written to a temporary name beside its path, fsynced and renamed, so a file that
-exists is complete; folders are swapped with two renames that the next reader undoes if a kill
-fell between them. docs/formats.md describes every key.
+exists is complete; folders are swapped with two renames that the next writer undoes if a kill
+fell between them. The scratch names are the project's own and no user would choose them (hidden,
+`.NAME.grpo-tmp.PID`, `.NAME.grpo-old.PID`, with a journal `.NAME.grpo-swap.json` naming the
+folder a swap set aside), so no sibling a user made (`X.old`, `X.bak`, `X.tmp`) is ever deleted,
+renamed or read as the project's. docs/formats.md describes every key.
 """
 
+import contextlib
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 
@@ -144,13 +149,20 @@ def format_rows(idx, limit=10):
 # ----------------------------------------------------------------------------------------
 # Atomic writes
 
+def scratch_name(path, kind):
+    """The project's own name beside `path` for a file or folder of `kind` ("tmp" being written, "old"
+    set aside by a swap): hidden, marked as the project's, unique to this process."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}.grpo-{kind}.{os.getpid()}")
+
+
 @contextmanager
 def atomic_path(path):
     """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds.
 
     A full disk or a read-only folder is a one-line error, and `path` keeps its previous content.
     """
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = scratch_name(path, "tmp")
     try:
         yield tmp
         with open(tmp, "rb") as f:
@@ -182,28 +194,74 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def swap_journal(path):
+    """The journal of a folder swap into `path`, beside it."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}.grpo-swap.json")
+
+
 def replace_dir(src, dst):
-    """Move folder `src` to `dst`; an existing `dst` is kept as `dst.old` until the move is done, and
-    recover_dir() puts it back if a kill lands between the two renames."""
-    dst = dst.rstrip("/")
-    old = dst + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(dst):
+    """Move folder `src` to `dst`. An existing `dst` is set aside under scratch_name(dst, "old"), named in
+    a journal (swap_journal) before the first rename and removed after the old folder is; recover_dir()
+    reads the journal to put it back if a kill lands between the two renames. `dst` is a real folder
+    (a symlink is resolved by the caller: grpo/outputs.py)."""
+    dst = os.path.abspath(dst)
+    if os.path.islink(dst):
+        raise StageError(f"{dst}: is a symlink; the project writes through it to its folder, never replaces it")
+    recover_dir(dst)                                             # an earlier swap cut short
+    journal, old = swap_journal(dst), scratch_name(dst, "old")
+    swapping = os.path.exists(dst)
+    if swapping:
+        write_json(journal, {"grpo_swap": 1, "old": os.path.basename(old)})
         os.rename(dst, old)
     os.rename(src, dst)
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
-    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(os.path.dirname(dst))
+    if swapping:
+        shutil.rmtree(old, ignore_errors=True)
+        os.remove(journal)
+
+
+def cut_swap(path):
+    """The folder a replace_dir() into `path` set aside, if its journal is there (else None): the
+    project's own scratch, checked to carry its name."""
+    journal = swap_journal(path)
+    try:
+        with open(journal, encoding="utf-8") as f:
+            swap = json.load(f)
+    except (OSError, ValueError):
+        return None
+    name = os.path.basename(os.path.abspath(path))
+    old = swap.get("old") if isinstance(swap, dict) and swap.get("grpo_swap") == 1 else None
+    if not isinstance(old, str) or not re.fullmatch(re.escape(f".{name}.grpo-old.") + r"\d+", old):
+        return None
+    return os.path.join(os.path.dirname(journal), old)
 
 
 def recover_dir(path):
-    """Undo a replace_dir() cut short between its renames: `path` is missing and `path.old` holds it."""
-    path = path.rstrip("/")
-    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+    """Finish a replace_dir() into `path` that a kill cut short, from its journal alone: put the old
+    folder back where `path` is missing, else remove it (the swap was done). No journal, nothing done."""
+    old = cut_swap(path)
+    if old is None:
+        return
+    if not os.path.lexists(path) and os.path.isdir(old):
         try:
-            os.rename(path + ".old", path)
+            os.rename(old, path)
         except OSError:
             if not os.path.isdir(path):                          # another rank of torchrun got there first
                 raise
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.remove(swap_journal(path))
+
+
+def check_no_cut_swap(path):
+    """An input folder is never renamed: where a kill cut a swap into `path` short, say so in one line."""
+    old = cut_swap(path) if not os.path.lexists(path) else None
+    if old is not None and os.path.isdir(old):
+        raise StageError(f"{path}: missing; a checkpoint swap into it was cut short and left the folder in "
+                         f"{old}; the command that writes {os.path.basename(path)} puts it back when run again, "
+                         f"or rename it back yourself")
 
 
 # ----------------------------------------------------------------------------------------
@@ -228,6 +286,8 @@ def read_json(path):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
+    except UnicodeDecodeError as e:
+        raise StageError(f"{path}: not UTF-8 text (byte {e.start}); JSON files are read as UTF-8") from None
     except (OSError, json.JSONDecodeError) as e:
         raise StageError(f"{path}: not a readable JSON file ({e})") from None
 
@@ -238,22 +298,32 @@ def read_jsonl(path, with_lines=False):
     if not os.path.isfile(path):
         raise StageError(f"{path}: no such file")
     records, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise StageError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                kind = type(record).__name__
-                raise StageError(f"{path}, line {lineno}: expected a JSON object, got {kind}")
-            records.append(record)
-            lines.append(lineno)
+    for lineno, line in enumerate(utf8_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise StageError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            kind = type(record).__name__
+            raise StageError(f"{path}, line {lineno}: expected a JSON object, got {kind}")
+        records.append(record)
+        lines.append(lineno)
     if not records:
         raise StageError(f"{path}: the file holds no records")
     return (records, lines) if with_lines else records
+
+
+def utf8_lines(path):
+    """The lines of a text file read as UTF-8; another encoding is a one-line error naming the line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise StageError(f"{path}, line {lineno}: not UTF-8 text (byte {e.start} of the line); "
+                                 f"JSON lines are read as UTF-8") from None
 
 
 def select_records(path, start, num_prompts):

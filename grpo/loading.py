@@ -77,6 +77,10 @@ def load_model(path, device, trust_remote_code=False, auto_class=None, **kwargs)
     except (OSError, ValueError) as e:
         raise StageError(f"{path}: cannot load a model ({str(e).splitlines()[0]}); only safetensors weights "
                          f"are read, never pickle") from None
+    for name, p in model.named_parameters():        # a damaged or diverged checkpoint, said before any draw
+        if not torch.isfinite(p).all():
+            raise StageError(f"{path}: weight {name} holds NaN or infinite values; the checkpoint is damaged "
+                             f"or its training diverged")
     return model.to(device).eval()
 
 
@@ -106,7 +110,7 @@ def quiet_transformers():
 
 def _check_model_dir(spec):
     """The model's folder (model_dir), checked to be a Hugging Face model folder."""
-    files.recover_dir(spec)               # a checkpoint swap cut short by a kill
+    files.check_no_cut_swap(spec)         # an input is never renamed: a cut swap is said
     path = model_dir(spec)
     if not os.path.isdir(path):
         raise StageError(f"{path}: no such model folder")

@@ -1,7 +1,8 @@
 """Provenance: what each stage file was made from, so that files of different runs are never combined.
 
 Each stage file's metadata holds "made_from" (docs/formats.md): rollouts name the policy that sampled
-them (its fingerprint) and their samples.jsonl rows (a digest of their group, prompt and completion);
+them (its fingerprint), its tokenizer (tokenizer_fingerprint) and their samples.jsonl rows (a digest
+of every field that reaches a reward);
 rewards name their rollouts and samples; advantages their rewards and rollouts. A reader recomputes
 the digest of what it was given and refuses, in one line naming both files, inputs that do not
 belong together, unless --allow-mismatch says the combination is deliberate. A file without
@@ -47,13 +48,39 @@ def made_from(path):
     return record if isinstance(record, dict) else {}
 
 
+# samples.jsonl's keys that the stages add after sampling (train.py's rows carry them): not the sample's.
+STAGE_OUTPUTS = ("reward", "rewards", "advantage")
+
+
 def samples_digest(rows):
-    """A short hash of what sample.py wrote in samples.jsonl: each row's group, prompt and completion
-    (the fields that later stages add, reward and advantage, do not count)."""
+    """A short hash of what sample.py wrote in samples.jsonl: every field of each row that reaches a
+    reward (group, prompt, completion and the prompt record's own, an answer among them; not the
+    STAGE_OUTPUTS), marked "2:" (files of versions before it hold a digest of group, prompt and
+    completion alone, legacy_samples_digest)."""
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(json.dumps({k: v for k, v in row.items() if k not in STAGE_OUTPUTS}, sort_keys=True).encode())
+    return "2:" + h.hexdigest()[:16]
+
+
+def legacy_samples_digest(rows):
     h = hashlib.sha256()
     for row in rows:
         h.update(json.dumps([row.get("group"), row.get("prompt"), row.get("completion")]).encode())
     return h.hexdigest()[:16]
+
+
+def digest_as_recorded(recorded, rows):
+    """The digest of `rows` in the form of the `recorded` one (a file of an older version: legacy)."""
+    if recorded is None:
+        return None
+    return samples_digest(rows) if recorded.startswith("2:") else legacy_samples_digest(rows)
+
+
+def tokenizer_fingerprint(tokenizer):
+    """A short hash of how a tokenizer maps text to ids: its vocabulary and special tokens."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps([vocab, tokenizer.all_special_tokens]).encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -110,8 +137,8 @@ def check_tokenizers(policy_tokenizer, args):
 
 def samples_of_rollouts(rollouts_path, samples_path, samples, allow):
     """score.py: the samples.jsonl rows must be the rollouts' own; returns the rewards' made_from."""
-    check(made_from(rollouts_path).get("samples"), samples_digest(samples), "samples.jsonl",
-          rollouts_path, samples_path, allow)
+    recorded = made_from(rollouts_path).get("samples")
+    check(recorded, digest_as_recorded(recorded, samples), "samples.jsonl", rollouts_path, samples_path, allow)
     return rewards_made_from(rollouts_path, samples)
 
 
@@ -140,6 +167,12 @@ def advantages_of_rollouts(advantages_path, rollouts_path, allow):
     """update.py: the advantages were computed from these rollouts' rewards."""
     check(made_from(advantages_path).get("rollouts"), file_digest(rollouts_path), "rollouts", advantages_path,
           rollouts_path, allow)
+
+
+def tokenizer_of_rollouts(rollouts_path, tokenizer, model_path, allow):
+    """update.py: the rollouts' token ids are those of --model's tokenizer."""
+    check(made_from(rollouts_path).get("tokenizer"), tokenizer_fingerprint(tokenizer), "tokenizer",
+          rollouts_path, f"{model_path}'s", allow)
 
 
 def policy_of_rollouts(rollouts_path, policy, model_path, allow):

@@ -12,14 +12,13 @@ from grpo import files
 
 def write_replay(it_dir, i, commands):
     """replay.sh: this iteration's four stages as commands whose outputs go to $OUT, for comparison."""
-    out = f"${{OUT:-replay/iter_{i:04d}}}"
-    lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {it_dir}.", "set -e"]
+    out = f'"${{OUT:-replay/iter_{i:04d}}}"'              # the one part the shell expands
+    lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {shlex.quote(it_dir)}.", "set -e"]
     file_flags = ("--out", "--rollouts", "--samples", "--rewards", "--advantages", "--critic-out")
     for argv in commands:
         redirect = [flag in file_flags for flag in [""] + argv[:-1]]         # the value follows its flag
-        argv = [(out if a == it_dir else f"{out}/{os.path.basename(a)}") if r else a
-                for a, r in zip(argv, redirect)]
-        lines.append(" ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv))
+        lines.append(" ".join((out if a == it_dir else out + shlex.quote("/" + os.path.basename(a))) if r
+                              else shlex.quote(a) for a, r in zip(argv, redirect)))
     with files.atomic_path(os.path.join(it_dir, "replay.sh")) as tmp:
         with open(tmp, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo import (builders, distributed, files, loading, lora, optim, outputs, prompting, reward_specs, settings, tasks,
-                  vllm_engine)
+from grpo import (builders, distributed, files, loading, lora, optim, outputs, prompting, provenance, reward_specs,
+                  settings, tasks, vllm_engine)
 from grpo.cli import ArgumentParser, StageError, warn
 from grpo.settings import at_least
 
@@ -87,16 +87,42 @@ def absolute_paths(settings):
 
 
 def is_run(run_dir):
-    """Whether run_dir holds a train.py run: its marker says so, or (a run of a version before markers)
-    its config.json is a run's."""
-    mark = outputs.read_marker(run_dir)
-    if mark is not None:
-        return mark.get("command") == "train.py"
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        return False
-    saved = files.read_json(path)
-    return isinstance(saved, dict) and "config" in saved
+    """Whether run_dir holds a train.py run (grpo/outputs.py:is_run_dir)."""
+    return outputs.is_run_dir(run_dir)
+
+
+def check_new_run_dir(run_dir):
+    """A new run's folder: new or empty (a symlink's folder), outside every other run."""
+    if is_run(outputs.real_path(run_dir, "--run-dir")):
+        raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose --run-dir")
+    outputs.check_dir(run_dir, "train.py", "--run-dir")
+
+
+def lock_run(run_dir, resume):
+    """Take the run folder for this process: an OS lock (flock) on its LOCK file, which the kernel
+    releases when the process ends, however it ends (kill -9 too); the file names the holder's PID.
+    Another train.py on the same folder is refused in one line. A new run's folder is checked again
+    once held (another run may have written it since this one's checks). Returns the open lock file,
+    which the caller keeps open as long as it writes."""
+    import fcntl
+
+    files.make_dir(run_dir)
+    lock = open(os.path.join(run_dir, outputs.LOCK), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "not yet written"
+        lock.close()
+        raise StageError(f"--run-dir {run_dir}: another train.py (PID {holder}) is writing this run; wait "
+                         f"for it to end or choose another --run-dir") from None
+    if not resume:
+        check_new_run_dir(run_dir)
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def parser(description, configs):
@@ -161,6 +187,7 @@ class Models:
     critic: optim.Critic = None     # PPO's value model and its AdamW (--algo ppo)
     critic_init: str = None         # the critic's folder before the first step (PPO)
     engine: object = None           # --engine vllm: the run's one vLLM engine (grpo/vllm_engine.py)
+    tokenizer_fingerprint: str = None   # what the rollouts record of the tokenizer (grpo/provenance.py)
 
 
 def start(cfg, run_dir, done, records, held_out_lines=None):
@@ -173,11 +200,13 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
                   for s in cfg.reward]
     for rows, source, _ in records:
         reward_specs.check_fields(reward_fns, rows, source)
-    if distributed.is_main():
+    held_out = {"held_out": {"prompts": cfg.prompts, "lines": held_out_lines}} if held_out_lines else {}
+    config = os.path.join(run_dir, "config.json")
+    resuming = os.path.isfile(config)
+    if distributed.is_main() and not resuming:                   # a new run: its folder is marked first
         files.make_dir(run_dir)
         outputs.mark_dir(run_dir, "train.py")                    # the whole folder is the run's
-        held_out = {"held_out": {"prompts": cfg.prompts, "lines": held_out_lines}} if held_out_lines else {}
-        files.write_json(os.path.join(run_dir, "config.json"), {"config": vars(cfg), **held_out})
+        files.write_json(config, {"config": vars(cfg), **held_out})
     base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
     path = os.path.join(run_dir, "policy") if done else base
     policy = lora.load_policy(path, device, cfg)    # with --lora-r, the base and adapters
@@ -189,6 +218,7 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
         ref = lora.load_reference(base, policy, device, cfg.trust_remote_code)
     models = Models(base, loading.load_tokenizer(path, cfg.trust_remote_code),
                     distributed.distribute(policy, cfg.fsdp), sampler, ref)
+    models.tokenizer_fingerprint = provenance.tokenizer_fingerprint(models.tokenizer)
     max_len = prompting.prompt_room(policy, cfg.max_new_tokens)
     for rows, source, lines in records:                         # every prompt renders and fits
         prompting.render_prompts(rows, models.tokenizer, source, max_len, lines)
@@ -198,7 +228,10 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
         models.engine = vllm_engine.start(sampler, loading.model_dir(base), cfg.max_new_tokens,
                                           cfg.num_prompts * cfg.group_size)
     state = os.path.join(path, "optimizer.safetensors") if done else None
-    return models, optim.adamw(models.policy, cfg.lr, cfg.weight_decay, state), reward_fns
+    optimizer = optim.adamw(models.policy, cfg.lr, cfg.weight_decay, state)
+    if distributed.is_main() and resuming:   # once all is loaded: a resume that fails changes nothing
+        files.write_json(config, {"config": vars(cfg), **held_out})
+    return models, optimizer, reward_fns
 
 
 def start_critic(cfg, run_dir, base, done, device):
@@ -302,6 +335,8 @@ def configuration(args, run_dir, given, defaults, kinds, configs, resumable):
     other run. Paths are absolute."""
     if args.resume:
         if not is_run(run_dir):
+            if os.path.isfile(os.path.join(run_dir, "config.json")) and outputs.read_marker(run_dir) is None:
+                files.read_json(os.path.join(run_dir, "config.json"))         # a damaged one says so
             raise StageError(f"{run_dir}: not a run folder (no config.json of train.py) to resume")
         cfg = absolute_paths(settings.read_config(os.path.join(run_dir, "config.json"), defaults, kinds))
         resumable = resumable - ({"iterations"} if cfg["lr_schedule"] != "constant" else set())
@@ -310,9 +345,7 @@ def configuration(args, run_dir, given, defaults, kinds, configs, resumable):
             raise StageError(f"--resume keeps the run's configuration; cannot change "
                              f"--{', --'.join(sorted(changed)).replace('_', '-')}")
         return cfg
-    if not args.check and os.path.isdir(run_dir) and os.listdir(run_dir):
-        if not is_run(run_dir):
-            outputs.check_dir(run_dir, "train.py", "--run-dir")           # a folder not of a run
-        raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose --run-dir")
+    if not args.check:
+        check_new_run_dir(run_dir)
     return absolute_paths(settings.read_config(args.config_file, defaults, kinds) if args.config_file
                           else {**defaults, **configs[args.config or "default"]})

@@ -43,6 +43,16 @@ def gae_rollouts(rollouts_file, rewards_file, data, kl_in_reward=0.0):
     return rollouts
 
 
+def check_token_ids(path, rollouts, model):
+    """The rollouts' prompt and completion ids are ids of `model`'s embedding table."""
+    vocab = model.get_input_embeddings().num_embeddings
+    for key in ("prompt_ids", "completion_ids"):
+        bad = torch.nonzero(((rollouts[key] < 0) | (rollouts[key] >= vocab)).any(-1)).flatten()
+        if len(bad):
+            raise StageError(f"{path}: '{key}' holds ids outside the model's vocabulary [0, {vocab}) in rows "
+                             f"{format_rows(bad)}; were they made with another tokenizer?")
+
+
 def update_inputs(args):
     """Rollouts and advantages, checked against each other before anything is computed or written.
     Sets args.temperature and args.max_new_tokens to what is used, so the output's metadata says it."""
@@ -80,7 +90,12 @@ def update_inputs(args):
     if args.critic and "returns" not in adv:
         raise StageError(f"{args.advantages}: no 'returns' for --critic; compute the advantages with "
                          f"advantage.py --estimator gae")
-    args.temperature = args.temperature or meta.get("temperature", 1.0)
+    sampled_at = meta.get("temperature")
+    if args.temperature and sampled_at and args.temperature != sampled_at and not args.allow_mismatch:
+        raise StageError(f"{args.rollouts}: sampled at --temperature {sampled_at:g}, and --temperature is "
+                         f"{args.temperature:g}; log π_old and the update's log π_θ must be at one τ (leave "
+                         f"--temperature out to take the file's, or --allow-mismatch)")
+    args.temperature = args.temperature or sampled_at or 1.0
     args.max_new_tokens = args.max_new_tokens or meta.get("max_new_tokens")
     if args.loss_agg == "dr_grpo" and not args.max_new_tokens:
         raise StageError(f"{args.rollouts}: --loss-agg dr_grpo divides by N × L_max, and the file's "

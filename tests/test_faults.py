@@ -59,7 +59,7 @@ def test_update_killed_at_any_moment_leaves_a_whole_checkpoint(models, rollout_d
     new = load_file(str(new_dir / "model.safetensors"))
     assert not same_tensors(old, new)
     shutil.copytree(out, tmp_path / "old_copy")
-    staging = f"{out.name}.tmp."                              # the folder a checkpoint is written in first
+    staging = f".{out.name}.grpo-tmp."                        # the folder a checkpoint is written in first
 
     def writing():
         return any(p.name.startswith(staging) for p in tmp_path.iterdir())
@@ -68,7 +68,7 @@ def test_update_killed_at_any_moment_leaves_a_whole_checkpoint(models, rollout_d
         return any(p.name.startswith(staging) and (p / "model.safetensors").exists() for p in tmp_path.iterdir())
 
     def swapping():
-        return (tmp_path / f"{out.name}.old").exists() or not out.exists()
+        return any(p.name.startswith(f".{out.name}.grpo-old.") for p in tmp_path.iterdir()) or not out.exists()
 
     seen, killed = set(), 0
     # Killed while it imports and computes (at 2 s and 4 s; a run takes longer), as soon as it starts

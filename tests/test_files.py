@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import update
-from grpo import builders, checkpoints, files, loading, optim
+from grpo import builders, checkpoints, files, loading, optim, outputs
 from grpo.cli import StageError
 
 
@@ -96,11 +96,36 @@ def test_a_failed_write_keeps_the_last_good_files(tmp_path, models, monkeypatch,
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "r.safetensors"]          # no temporary left behind
 
 
-def test_a_replace_cut_short_is_recovered(tmp_path, models):
+def test_a_replace_cut_short_is_finished_by_its_writer_and_said_to_a_reader(tmp_path, models):
+    """A kill between replace_dir's two renames leaves the old folder under the project's scratch name,
+    named by the journal: a reader (--model) says so in one line and renames nothing; the next writer
+    puts it back. A user's own ckpt.old beside it is never touched."""
     model = loading.load_model(models["policy"], "cpu")
     tok = loading.load_tokenizer(models["policy"])
     ckpt = tmp_path / "ckpt"
-    checkpoints.save_checkpoint(model, tok, str(ckpt))
-    os.rename(ckpt, str(ckpt) + ".old")        # a kill between replace_dir's two renames
+    checkpoints.save_checkpoint(model, tok, str(ckpt), command="update.py")
+    (tmp_path / "ckpt.old").mkdir()
+    (tmp_path / "ckpt.old" / "notes.txt").write_text("mine")
+    old = files.scratch_name(str(ckpt), "old")
+    files.write_json(files.swap_journal(str(ckpt)), {"grpo_swap": 1, "old": os.path.basename(old)})
+    os.rename(ckpt, old)                                       # killed here, before the second rename
+    with pytest.raises(StageError, match="cut short.*grpo-old"):
+        loading.load_model(str(ckpt), "cpu")
+    assert not ckpt.exists() and os.path.isdir(old)
+    outputs.check_dir(str(ckpt), "update.py")                  # the writer's check finishes the swap
     assert loading.load_model(str(ckpt), "cpu") is not None
-    assert ckpt.is_dir() and not os.path.exists(str(ckpt) + ".old")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.old"]
+    assert (tmp_path / "ckpt.old" / "notes.txt").read_text() == "mine"
+    checkpoints.save_checkpoint(model, tok, str(ckpt), command="update.py")      # a whole swap
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.old"]
+
+
+def test_a_journal_not_the_projects_is_ignored(tmp_path):
+    """recover_dir acts only on a journal that names a scratch folder of its own path."""
+    target = tmp_path / "x"
+    (tmp_path / "elsewhere").mkdir()
+    files.write_json(files.swap_journal(str(target)), {"grpo_swap": 1, "old": "elsewhere"})
+    files.recover_dir(str(target))
+    assert not target.exists() and (tmp_path / "elsewhere").is_dir()
+
+

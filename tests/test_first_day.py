@@ -85,7 +85,7 @@ def test_a_run_stops_on_any_setting_out_of_range_before_its_folder_exists(tmp_pa
         assert not run_dir.exists(), name
     for argv, fragment in [(["--beta", "-1"], "--beta must be ≥ 0, got -1"),
                            (["--clip-eps", "-0.5"], "--clip-eps must be in (0, 1], got -0.5"),
-                           (["--lr", "-1"], "--lr must be ≥ 0, got -1"),
+                           (["--lr", "-1"], "--lr must be in [0, 1], got -1"), (["--lr", "2"], "--lr must be in [0, 1], got 2"),
                            (["--num-prompts", "0"], "--num-prompts must be ≥ 1, got 0"),
                            (["--eval-prompts", "0"], "--eval-prompts 0 with --eval-every 10"),
                            (["--group-size", "1"], "--group-size 1: --estimator grpo compares")]:

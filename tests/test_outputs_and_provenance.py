@@ -77,7 +77,7 @@ def test_update_never_replaces_a_run_a_users_folder_or_its_own_model(models, cha
     common = ["--model", models["policy"], "--rollouts", d / "it" / "rollouts.safetensors",
               "--advantages", d / "advantages.safetensors"]
     mine = user_folder(tmp_path)
-    for target, fragment in [(run_dir, "the output of train.py"), (mine, "files this project did not write"),
+    for target, fragment in [(run_dir, "lies in the train.py run"), (mine, "files this project did not write"),
                              (models["policy"], "files this project did not write")]:
         before = snapshot(target)
         assert_user_error(cli("update.py", *common, "--out", target), f"--out {target}", fragment)
