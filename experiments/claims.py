@@ -172,6 +172,9 @@ SWEEPS = {
 }
 
 ACC = "acc_auc"
+UNKNOWN = "unknown"
+WITHDRAWN = "withdrawn: its arms did not run on one known machine"
+MACHINE_METRICS = ("cpu_s_per_iter", "peak_rss_gb")     # tests of a machine's cost: one machine's runs only
 MOST_SEEDS = 1000                # seeds an arm beyond which a table says "over"
 CLAIMS = {
     "c1": Claim(
@@ -439,17 +442,14 @@ def run_key(argv):
     return hashlib.sha256(json.dumps(canonical(argv)).encode()).hexdigest()[:12]
 
 
-# Runs on record whose code has since changed their numbers: each is run again on today's code when a
-# claim asks for it, once (its new record names its commit), and its record replaced. The default
-# job's seeds 0–2, which C3, C4, C9 and C10 share, ran before the drift fix of dd87ca3 (a step with no
-# signal moved the policy through the KL term), the other arms of those claims after it.
-STALE = {run_key(["--seed", str(seed), "--iterations", str(ITERATIONS), "--eval-every", str(EVAL_EVERY),
-                  "--save-every", str(SAVE_EVERY)]) for seed in range(3)}
-
-
 def is_stale(record):
-    """A record of STALE not yet run again (none of its attempts names the code that made it)."""
-    return record["key"] in STALE and not any("made_by" in a for a in record["experiment"].get("attempts", []))
+    """Whether a run on record ran code whose numbers have since changed: the first commit that held its
+    record precedes the drift fix of dd87ca3 (a step with no signal moved the policy through the KL term;
+    on_record_since, established from git history), and no attempt names the commit that made it. Such a
+    run is run again on today's code when a claim asks for it (not with --as-recorded), and its record
+    replaced; its new record names its commit, so once."""
+    since = record["experiment"].get("on_record_since") or {}
+    return bool(since.get("before_drift_fix")) and Run(record).made_by()[0].startswith(UNKNOWN)
 
 
 def flag_value(argv, flag):
@@ -541,7 +541,7 @@ def code_and_machine(threads):
             "python": platform.python_version(), "threads": threads}
 
 
-def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
+def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None, rerun_stale=True):
     """The record (read_run) of the finished run of `argv` (train.py flags, no --run-dir): found in
     `records` (what is on record is never run again, nor read from anywhere else), finished in
     RUNS/pool, finished with --resume, or run; a run here is linked as RUNS/`name`, and its record
@@ -554,7 +554,7 @@ def ensure_run(argv, runs_root, name, label, threads=THREADS, records=None):
     log, pid, attempts_path = run_dir + ".log", run_dir + ".pid", run_dir + ".attempts.json"
     done = os.path.join(run_dir, "experiment.json")
     found = find_record(records, key) if records else None
-    if found and is_stale(found):
+    if found and rerun_stale and is_stale(found):
         found = None
         shutil.rmtree(run_dir, ignore_errors=True)    # a finished folder of the same stale run
     if found or os.path.isfile(done):
@@ -628,6 +628,7 @@ class Setup:
     save_every: int = SAVE_EVERY
     threads: int = THREADS
     jobs: int = 1               # runs of a claim at once (--jobs)
+    rerun_stale: bool = True    # run again the records that is_stale finds (off: --as-recorded)
 
     def argv(self, claim, flags, seed):
         data = []
@@ -655,7 +656,8 @@ def run_all(setup, jobs):
     """{job: record} of ensure_run for each job (argv, name, label), --jobs of them at once, each its
     own child; raises the first failure once all have ended."""
     pool = ThreadPoolExecutor(setup.jobs)
-    futures = {job: pool.submit(ensure_run, argv, setup.runs_root, name, label, setup.threads, setup.records)
+    futures = {job: pool.submit(ensure_run, argv, setup.runs_root, name, label, setup.threads, setup.records,
+                                setup.rerun_stale)
                for job, (argv, name, label) in jobs.items()}
     while not all(future.done() for future in futures.values()):
         time.sleep(1)           # not a join, which would keep SIGTERM's handler (main thread only) from running
@@ -744,6 +746,25 @@ class Run:
             return self.record["cpu_s"]
         last, failed = attempts[-1], sum(a["cpu_s"] for a in attempts[:-1] if a["exit_code"] != 0)
         return last["cpu_s"] / (iterations - last["from_iteration"]) * iterations + failed
+
+    def made_by(self):
+        """(code, machine) of the attempt that finished the run: its commit (7 digits, "+" where the tree
+        had uncommitted changes) and CPU (model, family/model, cores); UNKNOWN where its record predates
+        code_and_machine, with the commit that first held the record where known (on_record_since)."""
+        attempts = self.record.get("attempts") or [{}]
+        made = attempts[-1].get("made_by") or {}
+        if made.get("commit", UNKNOWN) == UNKNOWN:
+            since = self.record.get("on_record_since")
+            code = UNKNOWN if not since else (f"{UNKNOWN}, on record at {since['commit'][:7]}"
+                                              + (", before the drift fix" if since.get("before_drift_fix") else ""))
+            return code, UNKNOWN
+        code = made["commit"][:7] + ("" if made.get("clean") else "+")
+        return code, f"{made['cpu']} {made['cpu_family_model']}, {made['cores']} cores"
+
+    def resumed_from(self):
+        """The iteration the finishing attempt resumed after (0: it ran the whole run)."""
+        attempts = self.record.get("attempts") or [{}]
+        return attempts[-1].get("from_iteration", 0)
 
     def metric(self, name):
         """One number of the run (module docstring); NaN where the run has none."""
@@ -868,27 +889,38 @@ def summary_table(name, claim, arms, runs, sweep, setup, first=None, plan=None):
              f"{' --second-look' if max(seeds) > (first or max(seeds)) else ''}`.", "",
              "## Pre-stated tests (Welch 95% interval over seeds; the first is the claim's verdict)", "",
              "| test | metric | contrast | predicted | estimate | 95% interval | verdict | family-wise (Holm) "
-             "| seeds an arm to decide |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| seeds an arm to decide | the arms' runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     projected = False                                 # some test's seeds to decide were projected
     first = first or max(len(rs) for rs in runs.values())
     values_of = [{arm: [r.metric(test.metric) for r in runs[arm][:first]] for arm in test.contrast}
                  for test in claim.tests]
-    rejected = stats.holm([stats.welch_p(v, t.contrast, t.offset) for t, v in zip(claim.tests, values_of)])
-    for test, values, family in zip(claim.tests, values_of, rejected):
+    origins = [runs_origin([r for arm in test.contrast for r in runs[arm][:first]]) for test in claim.tests]
+    # A test of a machine's cost stands only on runs of one known machine; withdrawn, it leaves the family.
+    withdrawn = [test.metric in MACHINE_METRICS and not one_machine for test, (_, one_machine) in
+                 zip(claim.tests, origins)]
+    standing = [i for i, w in enumerate(withdrawn) if not w]
+    rejected = dict(zip(standing, stats.holm([stats.welch_p(values_of[i], claim.tests[i].contrast,
+                                                            claim.tests[i].offset) for i in standing])))
+    for i, (test, values, (origin, _)) in enumerate(zip(claim.tests, values_of, origins)):
         est, low, high, df, verdict = decide(test, values)
         interval = "– (fewer than 2 seeds)" if low is None else f"[{low:+.3f}, {high:+.3f}] (ν = {df:.1f})"
         needed = "–"                                  # decided, or no std to project from
+        if withdrawn[i]:
+            verdict, family = WITHDRAWN, "–"
+        else:
+            family = stats.family_verdict(rejected[i], est, test.direction)
         if verdict == stats.UNCLEAR and low is not None:
             needed = str(stats.seeds_to_decide(values, test.contrast, test.offset, most=MOST_SEEDS)
                          or f"over {MOST_SEEDS}")
             projected = True
         lines.append(f"| {test.text} | `{test.metric}` | {contrast_text(test)} | {test.direction} 0 | "
-                     f"{est:+.3f} | {interval} | **{verdict}** | "
-                     f"{stats.family_verdict(family, est, test.direction)} | {needed} |")
-    lines += ["", f"Family-wise: Holm's step-down over the claim's {len(claim.tests)} tests at α = 0.05 (two-sided "
-              "Welch p-values, experiments/stats.py:holm): the verdicts that hold for the tests together, where "
-              "the verdict column holds for each test alone."]
+                     f"{est:+.3f} | {interval} | **{verdict}** | {family} | {needed} | {origin} |")
+    lines += ["", f"Family-wise: Holm's step-down over the claim's {len(standing)} standing tests at α = 0.05 "
+              "(two-sided Welch p-values, experiments/stats.py:holm): the verdicts that hold for the tests together, "
+              "where the verdict column holds for each test alone. The arms' runs: whether the runs a test compares "
+              "ran one commit on one machine (the arms table below says which); a test of CPU or memory stands "
+              "only on runs of one known machine, and is withdrawn otherwise."]
     if projected:
         lines += ["", "Seeds an arm to decide: for a test not distinguishable, the fewest seeds per arm whose "
                   "interval would exclude 0 (on the estimate's side, which may not be the predicted one) if "
@@ -898,12 +930,13 @@ def summary_table(name, claim, arms, runs, sweep, setup, first=None, plan=None):
     metrics = ["acc", "acc_auc", *claim.table]
     lines += ["", "## Arms (mean ± std over seeds)", "",
               "| arm | flags | seeds | " + " | ".join(f"`{m}`" for m in metrics) +
-              " | wall min | CPU min | peak RSS GiB |", "|" + "---|" * (len(metrics) + 6)]
+              " | wall min | CPU min | peak RSS GiB | code · machine (runs) | resumed |", "|" + "---|" * (len(metrics) + 8)]
     for arm, rs in runs.items():
         cells = [arm, " ".join(arms[arm]) or "–", str(len(rs))]
         cells += [mean_std([r.metric(m) for r in rs]) for m in metrics]
         cells += [mean_std([r.record["wall_s"] / 60 for r in rs], 1), mean_std([r.cpu_s() / 60 for r in rs], 1)]
         cells.append(mean_std([r.record["peak_rss_mb"] / 1024 for r in rs], 2))
+        cells += [made_by_text(rs), resumed_text(rs, claim.seeds(len(rs)))]
         lines.append("| " + " | ".join(cells) + " |")
     if sweep:
         lines += sweep_table(*sweep)
@@ -921,16 +954,42 @@ def summary_table(name, claim, arms, runs, sweep, setup, first=None, plan=None):
     return "\n".join(lines) + "\n"
 
 
+def runs_origin(rs):
+    """(the cell of a test's arms' runs, whether they all ran on one known machine)."""
+    made = {r.made_by() for r in rs}
+    machines = {machine for _, machine in made}
+    one_machine = len(machines) == 1 and UNKNOWN not in machines
+    if any(code.startswith(UNKNOWN) or machine == UNKNOWN for code, machine in made):
+        return "unknown code or machine", one_machine
+    return ("one commit and machine" if len(made) == 1 else "mixed commits or machines"), one_machine
+
+
+def made_by_text(rs):
+    """Each (code, machine) of `rs` with its number of runs."""
+    counts = {}
+    for r in rs:
+        counts[r.made_by()] = counts.get(r.made_by(), 0) + 1
+    return "; ".join(f"{code} · {machine} ×{n}" for (code, machine), n in sorted(counts.items()))
+
+
+def resumed_text(rs, seeds):
+    """The runs whose finishing attempt resumed from a save (its CPU is extrapolated: Run.cpu_s)."""
+    resumed = [f"seed {seed} from {r.resumed_from()}" for r, seed in zip(rs, seeds) if r.resumed_from()]
+    return ", ".join(resumed) or "–"
+
+
 def sweep_table(spec, runs, pick):
     """The pre-stated search's lines: each setting's runs (mean ± std over seeds) on its selection
     metric, the held-out accuracy (reported, never selected on) and the target's metric; the pick."""
     metrics = [spec.select, ACC, *([spec.target[0]] if spec.target else [])]
     seeds = "seed 0" if spec.seeds == 1 else f"seeds 0–{spec.seeds - 1}"
     lines = ["", f"## The search ({seeds}, under {' '.join(spec.flags)}; chosen by `{spec.select}`)", "",
-             "| setting | flags | " + " | ".join(f"`{m}`" for m in metrics) + " |", "|" + "---|" * (len(metrics) + 2)]
+             "| setting | flags | " + " | ".join(f"`{m}`" for m in metrics) + " | code · machine (runs) | resumed |",
+             "|" + "---|" * (len(metrics) + 4)]
     for setting, rs in runs.items():
         lines.append(f"| {setting} | {' '.join(spec.settings[setting])} | " +
-                     " | ".join(mean_std([r.metric(m) for r in rs]) for m in metrics) + " |")
+                     " | ".join(mean_std([r.metric(m) for r in rs]) for m in metrics) +
+                     f" | {made_by_text(rs)} | {resumed_text(rs, range(spec.seeds))} |")
     lines += ["", f"Picked {pick} (the highest mean `{spec.select}`)."]
     if spec.target:
         metric, bar = spec.target
@@ -1011,11 +1070,14 @@ def parse_args(argv=None):
                    help="runs of a claim at once, each on --threads threads (default 1; 2 on this 2-core "
                         "machine when nothing else runs)")
     p.add_argument("--commit", action="store_true", help="git commit each claim's PNG and table when written")
+    p.add_argument("--as-recorded", action="store_true",
+                   help="the tables from the records as they are, running none again (a stale record, of\n"
+                        "code from before the drift fix, too: its table says so)")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.threads < 1:
         p.error("--jobs and --threads must be at least 1")
     setup = Setup(RUNS, RESULTS, RECORDS, ["--config", args.config] if args.config else [], iterations=args.iterations,
-                  threads=args.threads, jobs=args.jobs)
+                  threads=args.threads, jobs=args.jobs, rerun_stale=not args.as_recorded)
     if args.smoke:
         args.seeds, args.max_seeds = 1, 0
         setup.iterations, setup.eval_every, setup.save_every = 2, 2, 1

@@ -6,6 +6,7 @@ claim's experiment end to end on its smoke setting (the tiny model, 2 iterations
 its PNG and table."""
 
 import glob
+import gzip
 import json
 import math
 import os
@@ -336,6 +337,71 @@ def test_a_finished_runs_record_serves_a_fresh_checkout_without_running_it(tmp_p
     assert claims.find_record(str(records), record["key"]) == record
 
 
+def test_a_stale_record_is_run_again_once_and_replaced_in_every_file(tmp_path, monkeypatch):
+    """A record established as made before the drift fix (on_record_since) is run again when asked
+    (not with rerun_stale off), its new record names its commit and machine and replaces the old one
+    in whichever claim's file held it; the new record is not stale, so it is not run again."""
+    argv = claims.canonical([*claims.SMOKE, "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
+                             "--eval-prompts", "2", "--seed", "0", "--iterations", "2", "--eval-every", "1",
+                             "--save-every", "1"])
+    records = tmp_path / "records"
+    fresh = claims.ensure_run(argv, str(tmp_path / "a"), "c0/arm_seed0", "c0 arm seed 0", records=str(records))
+    made = fresh["experiment"]["attempts"][-1]["made_by"]
+    assert made == claims.code_and_machine(1) and made["cores"] == os.cpu_count()
+    old = json.loads(json.dumps(fresh))
+    old["experiment"]["attempts"][-1]["made_by"] = dict.fromkeys(made, claims.UNKNOWN)
+    old["experiment"]["on_record_since"] = {"commit": "1" * 40, "date": "d", "before_drift_fix": True}
+    os.remove(records / "c0.jsonl.gz")
+    claims.keep(old, str(records), "c9")                       # on record in another claim's file
+    assert claims.is_stale(old) and not claims.is_stale(fresh)
+    assert claims.Run(old).made_by() == (f"{claims.UNKNOWN}, on record at 1111111, before the drift fix",
+                                          claims.UNKNOWN)
+    assert claims.ensure_run(argv, str(tmp_path / "b"), "c0/arm_seed0", "c0 arm seed 0", records=str(records),
+                             rerun_stale=False) == old
+    again = claims.ensure_run(argv, str(tmp_path / "c"), "c0/arm_seed0", "c0 arm seed 0", records=str(records))
+    assert again["experiment"]["attempts"][-1]["made_by"] == made and not claims.is_stale(again)
+    assert sorted(os.listdir(records)) == ["c0.jsonl.gz", "c9.jsonl.gz"]
+    assert claims.find_record(str(records), fresh["key"]) == again
+    with gzip.open(records / "c9.jsonl.gz", "rt") as f:
+        assert f.read() == ""                                   # the stale line is gone from c9's file
+
+    def no_run(*_):
+        raise AssertionError("a rerun record was run again")
+
+    monkeypatch.setattr(claims, "run_child", no_run)
+    assert claims.ensure_run(argv, str(tmp_path / "d"), "c0/arm_seed0", "c0", records=str(records)) == again
+
+
+def test_a_cost_test_stands_only_on_runs_of_one_known_machine():
+    """The table says each arm's code and machine and marks resumed runs; a CPU or memory test whose arms
+    ran on two machines, or an unknown one, is withdrawn and left out of Holm's family."""
+    def run(x, cpu, commit="a" * 40, resumed=0):
+        made = {"commit": commit, "clean": True, "cpu": cpu, "cpu_family_model": "25/17", "cores": 2}
+        experiment = {"iterations": 2, "cpu_s": 10.0 * x, "wall_s": 1.0, "peak_rss_mb": 1024.0 * x,
+                      "first_asked_by": "c x", "attempts": [{"from_iteration": resumed, "cpu_s": 10.0 * x,
+                                                             "exit_code": 0, "made_by": made}]}
+        evals = {"0": [{"completion": "1", "answer": "1"}], "2": [{"completion": "1", "answer": "1"}]}
+        return claims.Run({"key": str(x), "experiment": experiment, "config": {"config": {}},
+                           "metrics": {"0": {"k": x}, "1": {"k": x}}, "evals": evals})
+
+    claim = claims.Claim("c", "d", {"a": [], "b": []},
+                         [claims.Test("a learns", "mean(k)", {"a": 1, "b": -1}, ">"),
+                          claims.Test("a is cheaper", "cpu_s_per_iter", {"a": 1, "b": -1}, "<")], [], [])
+    setup = claims.Setup("r", "r", "r", [])
+    same = {"a": [run(x, "EPYC") for x in (1.0, 1.1, 0.9)], "b": [run(x, "EPYC", resumed=1) for x in (2.0, 2.2, 1.9)]}
+    table = claims.summary_table("c", claim, {"a": [], "b": []}, same, None, setup)
+    assert "| **reproduced** | reproduced | – | one commit and machine |" in table
+    assert "aaaaaaa · EPYC 25/17, 2 cores ×3 | seed 0 from 1, seed 1 from 1, seed 2 from 1 |" in table
+    mixed = {"a": same["a"], "b": [run(x, "Xeon") for x in (2.0, 2.2, 1.9)]}
+    table = claims.summary_table("c", claim, {"a": [], "b": []}, mixed, None, setup)
+    (row,) = [line for line in table.splitlines() if line.startswith("| a is cheaper")]
+    assert f"**{claims.WITHDRAWN}** | – |" in row and row.endswith("| mixed commits or machines |")
+    assert "Holm's step-down over the claim's 1 standing tests" in table
+    unknown = {"a": same["a"], "b": [run(x, claims.UNKNOWN, commit=claims.UNKNOWN) for x in (2.0, 2.2, 1.9)]}
+    table = claims.summary_table("c", claim, {"a": [], "b": []}, unknown, None, setup)
+    assert claims.WITHDRAWN in table and "unknown code or machine" in table
+
+
 def test_sigterm_stops_every_run_of_jobs_2_and_counts_no_attempt(tmp_path):
     """The runner's main thread waits for its --jobs threads without a join, so SIGTERM's handler runs:
     both runs' children stop, no other run starts, and no attempt is recorded."""
@@ -370,13 +436,17 @@ def test_every_claim_runs_end_to_end_on_its_smoke_setting(name, smoke_out):
     table = (results / f"{name}.md").read_text()
     lines = table.splitlines()
     tests = lines[lines.index("| test | metric | contrast | predicted | estimate | 95% interval | verdict "
-                              "| family-wise (Holm) | seeds an arm to decide |") + 2:]
+                              "| family-wise (Holm) | seeds an arm to decide | the arms' runs |") + 2:]
     tests = tests[:tests.index("")]
     assert [row.split(" | ")[0][2:] for row in tests] == [t.text for t in claims.CLAIMS[name].tests]
-    assert all(row.endswith(f"**{stats.UNCLEAR}** | {stats.UNCLEAR} | – |") for row in tests)   # one seed: none
+    # One seed decides nothing; every run here is this checkout's, on this machine, so no test is withdrawn.
+    assert all(row.endswith(f"**{stats.UNCLEAR}** | {stats.UNCLEAR} | – | one commit and machine |")
+               for row in tests)
     arms = lines[lines.index("## Arms (mean ± std over seeds)") + 4:]
     arms = arms[:arms.index("")]
     assert [row.split(" | ")[0][2:] for row in arms] == list(claims.CLAIMS[name].arms)
+    made = claims.code_and_machine(1)
+    assert all(f"{made['commit'][:7]}" in row and f"{made['cpu']} {made['cpu_family_model']}" in row for row in arms)
     assert "nan" not in table and "Compute: " in table
     for arm in claims.CLAIMS[name].arms:
         run = smoke_out / "runs" / name / f"{arm}_seed{claims.CLAIMS[name].first_seed}"
@@ -395,7 +465,7 @@ def test_every_claims_table_recomputes_from_its_records_alone(name, tmp_path, mo
 
     monkeypatch.setattr(claims, "run_child", no_run)
     monkeypatch.setattr(claims, "figure", lambda *_: None)          # the table is the record's; the PNG is drawn
-    args, setup = claims.parse_args([name])
+    args, setup = claims.parse_args([name, "--as-recorded"])
     setup.results, setup.records = str(tmp_path), str(tmp_path / "records")
     shutil.copytree(claims.RECORDS, setup.records)                   # what a run would keep stays here
     claims.run_claim(name, args.seeds, setup, claims.second_look_seeds(name))    # as --second-look reads it
