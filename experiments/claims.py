@@ -517,7 +517,7 @@ def keep(record, records, claim):
 
 def code_and_machine(threads):
     """What makes an attempt: the commit of this checkout and whether its tree was clean (tracked
-    files; the runs' own folders are ignored), the CPU (model name, family/model numbers, which tell
+    files, less the records and tables the runner writes; the runs' folders are ignored), the CPU (model name, family/model numbers, which tell
     processors of one name apart) and its cores, the versions that change numbers, torch threads."""
     import platform
 
@@ -533,7 +533,9 @@ def code_and_machine(threads):
         for line in open("/proc/cpuinfo"):
             key, _, value = line.partition(":")
             cpu.setdefault(key.strip(), value.strip())
-    status = git("status", "--porcelain", "--untracked-files=no")
+    # What the runner itself writes as it goes (records, tables) does not make the code's tree unclean.
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/records",
+                 ":!experiments/results")
     return {"commit": git("rev-parse", "HEAD") or "unknown", "clean": None if status is None else status == "",
             "cpu": cpu.get("model name") or platform.processor() or "unknown",
             "cpu_family_model": f"{cpu['cpu family']}/{cpu['model']}" if "cpu family" in cpu else "unknown",
