@@ -319,7 +319,7 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     if not distributed.is_main():
         return
-    files.make_dir(args.out)                 # marked first: a folder cut short by Ctrl-C is still this command's
+    # Marked first: a folder cut short by Ctrl-C between the two files is still this command's to redo.
     outputs.mark_dir(args.out, "sample.py", ["rollouts.safetensors", "samples.jsonl"])
     write_outputs(args.out, tensors, samples, args, provenance.fingerprint(policy),
                   provenance.tokenizer_fingerprint(tokenizer))

@@ -26,6 +26,7 @@ needs: --resume recomputes the iterations since the last save, bit for bit on a 
 """
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -343,16 +344,13 @@ def main(argv=None):
         warn(f"held out {len(records[1])} records of {cfg.prompts} for evaluation, chosen with --seed "
              f"{cfg.seed} (their lines are in config.json); training on the other {len(records[0])}")
     made = not os.path.exists(run_dir)
-    lock = runs.lock_run(run_dir, args.resume) if distributed.is_main() else None    # one writer
-    try:
-        train(cfg, run_dir, args.resume, records)
-    except Exception:
-        if not args.resume and distributed.is_main() and not checkpoints.has_save(run_dir):
-            outputs.remove_written(run_dir, made)       # nothing to resume: the corrected command runs
-        raise
-    finally:
-        if lock is not None:
-            lock.close()
+    with outputs.run_lock(run_dir, args.resume) if distributed.is_main() else contextlib.nullcontext():
+        try:
+            train(cfg, run_dir, args.resume, records)
+        except Exception:
+            if not args.resume and distributed.is_main() and not checkpoints.has_save(run_dir):
+                outputs.remove_written(run_dir, made)       # nothing to resume: the corrected command runs
+            raise
 
 
 if __name__ == "__main__":

@@ -410,12 +410,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    outputs.check_dir(args.out, "update.py")
-    outputs.check_apart(args.out, "--out", {"--model": args.model})
+    outputs.check_dir(args.out, "update.py", apart={"--model": args.model})
     if args.critic_out:
-        outputs.check_dir(args.critic_out, "update.py", "--critic-out")
-        outputs.check_apart(args.critic_out, "--critic-out",
-                            {"--out": args.out, "--critic": args.critic, "--model": args.model})
+        outputs.check_dir(args.critic_out, "update.py", "--critic-out",
+                          apart={"--out": args.out, "--critic": args.critic, "--model": args.model})
     if args.beta == 0:
         warn(diagnostics.BETA_ZERO_WARNING)
     if args.kl_estimator == "k1" and args.beta != 0:

@@ -87,6 +87,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -968,9 +969,7 @@ def runs_origin(rs):
 
 def made_by_text(rs):
     """Each (code, machine) of `rs` with its number of runs."""
-    counts = {}
-    for r in rs:
-        counts[r.made_by()] = counts.get(r.made_by(), 0) + 1
+    counts = Counter(r.made_by() for r in rs)
     return "; ".join(f"{code} · {machine} ×{n}" for (code, machine), n in sorted(counts.items()))
 
 

@@ -184,8 +184,7 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true")
     args = p.parse_args(argv)
     checkpoints_out = os.path.abspath(args.out)
-    outputs.check_dir(checkpoints_out, "grpo.lora --merge")
-    outputs.check_apart(checkpoints_out, "--out", {"--merge": args.merge})
+    outputs.check_dir(checkpoints_out, "grpo.lora --merge", apart={"--merge": args.merge})
     merge(args.merge, checkpoints_out, args.trust_remote_code)
     print(f"merged {args.merge} into {base_of(args.merge)}'s weights; wrote {checkpoints_out}", file=sys.stderr)
 

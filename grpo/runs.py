@@ -86,45 +86,6 @@ def absolute_paths(settings):
     return out
 
 
-def is_run(run_dir):
-    """Whether run_dir holds a train.py run (grpo/outputs.py:is_run_dir)."""
-    return outputs.is_run_dir(run_dir)
-
-
-def check_new_run_dir(run_dir):
-    """A new run's folder: new or empty (a symlink's folder), outside every other run."""
-    if is_run(outputs.real_path(run_dir, "--run-dir")):
-        raise StageError(f"{run_dir} already holds a run; pass --resume to continue it or choose --run-dir")
-    outputs.check_dir(run_dir, "train.py", "--run-dir")
-
-
-def lock_run(run_dir, resume):
-    """Take the run folder for this process: an OS lock (flock) on its LOCK file, which the kernel
-    releases when the process ends, however it ends (kill -9 too); the file names the holder's PID.
-    Another train.py on the same folder is refused in one line. A new run's folder is checked again
-    once held (another run may have written it since this one's checks). Returns the open lock file,
-    which the caller keeps open as long as it writes."""
-    import fcntl
-
-    files.make_dir(run_dir)
-    lock = open(os.path.join(run_dir, outputs.LOCK), "a+", encoding="utf-8")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "not yet written"
-        lock.close()
-        raise StageError(f"--run-dir {run_dir}: another train.py (PID {holder}) is writing this run; wait "
-                         f"for it to end or choose another --run-dir") from None
-    if not resume:
-        check_new_run_dir(run_dir)
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    return lock
-
-
 def parser(description, configs):
     """train.py's own flags: the command (which configuration, which folder) and the run's settings,
     which no stage takes (train.py adds the stages' flags)."""
@@ -334,7 +295,7 @@ def configuration(args, run_dir, given, defaults, kinds, configs, resumable):
     decaying lr); else --config-file's or the named configuration's, in a run folder that holds no
     other run. Paths are absolute."""
     if args.resume:
-        if not is_run(run_dir):
+        if not outputs.is_run_dir(run_dir):
             if os.path.isfile(os.path.join(run_dir, "config.json")) and outputs.read_marker(run_dir) is None:
                 files.read_json(os.path.join(run_dir, "config.json"))         # a damaged one says so
             raise StageError(f"{run_dir}: not a run folder (no config.json of train.py) to resume")
@@ -346,6 +307,6 @@ def configuration(args, run_dir, given, defaults, kinds, configs, resumable):
                              f"--{', --'.join(sorted(changed)).replace('_', '-')}")
         return cfg
     if not args.check:
-        check_new_run_dir(run_dir)
+        outputs.check_new_run_dir(run_dir)
     return absolute_paths(settings.read_config(args.config_file, defaults, kinds) if args.config_file
                           else {**defaults, **configs[args.config or "default"]})

@@ -21,7 +21,7 @@ import torch
 from conftest import PROMPTS, ROOT, cli, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from grpo import builders, files, outputs, runs
+from grpo import builders, files, outputs
 
 TINY_RUN = ["--config", "tiny", "--iterations", 2, "--eval-every", 0, "--num-prompts", 2, "--group-size", 4,
             "--save-every", 1]
@@ -198,7 +198,9 @@ def cut_swap(path):
 
 def held_lock(run_dir):
     """The run folder held as a running train.py holds it (this process, another open file)."""
-    HELD.append(runs.lock_run(run_dir, resume=True))
+    lock = outputs.run_lock(run_dir, resume=True)
+    lock.__enter__()
+    HELD.append(lock)
 
 
 HELD = []                       # lock files held by cases, closed after each
@@ -546,7 +548,7 @@ def run_case(case, w, tmp):
         r = cli(*argv)
     finally:
         while HELD:
-            HELD.pop().close()
+            HELD.pop().__exit__(None, None, None)
     assert r.code == case.code, r.err
     if case.code != 0:
         lines = r.err.strip().splitlines()
