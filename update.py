@@ -3,7 +3,7 @@
 For every completion token o_t of completion o_i (DeepSeekMath, eq. 3; docs/formats.md):
 
     ρ_t   = exp(log π_θ(o_t) − log π_old(o_t))
-    ℓ_t   = −min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·k3_t
+    ℓ_t   = −min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i) + β·k3_t        (--policy-loss ppo)
     k3_t  = exp(log π_ref(o_t) − log π_θ(o_t)) − (log π_ref(o_t) − log π_θ(o_t)) − 1
     loss  = mean over sequences of the masked token mean of ℓ_t          (--loss-agg seq)
 
@@ -15,48 +15,34 @@ Reads   --model DIR        the policy π_θ (π_old before the first step), and 
 Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (docs/formats.md)
 
 PPO with a critic (--critic DIR --critic-out DIR): the advantages are per token (advantage.py
---estimator gae), and after the policy's steps the critic V takes its own (train_critic): --critic-epochs
-shuffles in minibatches of --minibatch-size, an AdamW step each at --critic-lr, on the clipped value
-loss aggregated over tokens like the policy loss (--loss-agg); --critic-only steps the critic alone:
-
-    L_V = vf_coef · ½·max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, −ε_v, ε_v) − R_t)²)
-
-with R_t the advantages file's `returns` and V_old the rollouts' `values`.
+--estimator gae), and after the policy's steps the critic V takes its own (train_critic) on PPO's
+clipped value loss, L_V = vf_coef · ½·max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, ±ε_v) − R_t)²),
+R_t the advantages file's `returns`, V_old the rollouts' `values`; --critic-only steps it alone.
 
 Example:
     python update.py --model ckpt/ --rollouts it0/rollouts.safetensors \\
-        --advantages it0/advantages.safetensors --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2 \\
-        --loss-agg seq --epochs 1 --minibatch-size 16
+        --advantages it0/advantages.safetensors --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2
 
-Choices where the paper and docs/formats.md are silent:
-- log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the sampling
-  temperature of the rollouts' metadata (--temperature overrides). log π_old is the rollouts'
-  old_logprobs on a CPU, where sampler and update both run in float32 and agree to about 1e-6;
-  on a GPU it is recomputed by this forward before the first step (--old-logprobs recompute),
-  because the sampler's bf16 steps differ from a full forward by rounding, and a tight clip band
-  (GSPO's) would count that rounding as policy change.
-- log π_ref is computed in every micro-batch by the call that computes log π_θ, on the same rows
-  and shapes, without gradients (as TRL does), not read from the rollouts' ref_logprobs: computed
-  in the sampler's shapes those differ by ~1e-5, and AdamW turns that rounding into lr-sized steps
-  away from π_ref on a batch with no signal (docs/numerics.md; --ref-logprobs rollouts reads them).
-- x = log π_ref − log π_θ is clamped to ±20 inside k3 (e^x overflows float32 at 88), and β = 0
-  leaves the penalty out of ℓ_t altogether.
-- μ = --epochs passes, each a seeded shuffle of the N rows cut into minibatches of
-  --minibatch-size completions, one AdamW step each. A minibatch runs in micro-batches of
-  --micro-batch-size rows whose losses carry the minibatch's normaliser, so the gradient does not
-  depend on the split; under torchrun the ranks share each minibatch the same way.
-- Each distinct prompt of a micro-batch (equal ids under the mask) runs once, and its rows'
-  completions attend to its cached keys and values (modeling.completion_outputs); the backward pass
-  sums their gradients into it. --no-prefix-sharing gives every row its own prompt: the same loss,
-  metrics and gradients to rounding.
-- The learning rate of AdamW's step s (optim.scheduled_lr): lr·(s + 1)/W during a warm-up of W =
-  --warmup-steps, so the first step already moves (transformers' schedulers start at 0), then
-  --lr-schedule; --weight-decay is AdamW's decoupled decay. Both are set from these arguments at
-  every step, whoever built the optimizer (train.py builds it once per run).
-- Dropout is off (eval mode) so that ρ = 1 exactly on the first, on-policy step; gradients are
-  clipped to --max-grad-norm; a row with no completion token is an error.
-- --out DIR is replaced as a unit, so it must be new, empty, or an earlier output of update.py
-  (grpo/outputs.py); the inputs must belong together (grpo/provenance.py, --allow-mismatch).
+Choices where the paper and docs/formats.md are silent (docs/numerics.md says why):
+- log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the rollouts' τ.
+  log π_old is the rollouts' old_logprobs on a CPU (sampler and update agree to ~1e-6 in float32) and
+  recomputed by this forward before the first step on a GPU (--old-logprobs recompute): bf16 rounding
+  would otherwise count as policy change in a tight clip band.
+- log π_ref is computed in every micro-batch by the call that computes log π_θ, on the same rows and
+  shapes, without gradients (as TRL does), so at θ = θ_ref the two are equal to the bit and a batch
+  with no signal moves nothing; the rollouts' ref_logprobs differ by ~1e-5 (--ref-logprobs rollouts).
+- x = log π_ref − log π_θ is clamped to ±20 inside k3 (e^x overflows float32 at 88); β = 0 leaves the
+  penalty out of ℓ_t altogether.
+- μ = --epochs seeded shuffles cut into minibatches of --minibatch-size, one AdamW step each; each
+  minibatch runs in micro-batches whose losses carry its normaliser, so the gradient does not depend
+  on the split (nor, under torchrun, on the ranks). Each distinct prompt of a micro-batch runs once
+  (--no-prefix-sharing: every row its own; the same numbers to rounding).
+- AdamW's lr at step s (optim.scheduled_lr): lr·(s + 1)/W over W = --warmup-steps, so the first step
+  moves, then --lr-schedule; lr and --weight-decay are set at every step, whoever built the optimizer.
+- Dropout is off, so ρ = 1 exactly on the first, on-policy step; gradients are clipped to
+  --max-grad-norm; a row with no completion token is an error.
+- --out DIR is replaced as a unit (grpo/outputs.py); the inputs must belong together
+  (grpo/provenance.py, --allow-mismatch).
 """
 
 import argparse
@@ -64,6 +50,7 @@ import json
 import math
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -76,51 +63,91 @@ from grpo.update_metrics import UpdateMetrics
 
 
 # ----------------------------------------------------------------------------------------
-# The algorithm: the clipped, KL-penalised token loss, its aggregation, and PPO's value loss
+# The algorithm: the policy losses (one function each, chosen by --policy-loss), the terms composed
+# around them (importance weight, KL penalty, entropy bonus), the aggregation, and PPO's value loss.
+# Each policy loss maps log π_θ, log π_old, A (advantages [n] → [n, 1], or GAE's [n, T]) and the mask
+# [n, T] to its token loss [n, T], the ratio it clips [n, T], and the tokens its clip acted on.
 
-def grpo_token_loss(logp, old_logp, ref_logp, advantages, mask, *, beta, clip_eps, clip_eps_high,
-                    dual_clip=None, ratio_level="token", kl_estimator="k3", entropy=None, entropy_coef=0.0,
-                    is_weight=None):
-    """ℓ_t of docs/formats.md for every token, and its terms. Tensors [n, T]; advantages [n] or [n, T].
-    With entropy_coef c, ℓ_t also holds −c·H_t (`entropy` [n, T], with its gradient; verl). With
-    `is_weight` w_t [n, T] (rollout_is_weights), the policy term is w_t times its own: the tokens came
-    from another distribution than π_old, and w_t reweighs them to π_old."""
-    A = advantages[:, None] if advantages.dim() == 1 else advantages          # [n, 1] or [n, T]
-    log_ratio = logp - old_logp                                                # [n, T]
-    if ratio_level == "sequence":  # GSPO: one ratio per completion, exp of the mean token log-ratio
-        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        log_ratio = log_ratio.expand_as(logp)                                  # [n, T], constant along T
-    ratio = torch.exp(log_ratio)                                               # ρ_t            [n, T]
-    pg_unclipped = ratio * A                                                   # ρ_t·A
-    pg_clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * A      # clip(ρ_t)·A
-    pg_loss = -torch.min(pg_unclipped, pg_clipped)                             # −min(·,·)      [n, T]
-    dual_clipped = torch.zeros_like(mask)
-    if dual_clip is not None:      # dual-clip PPO: with A < 0 the loss is at most C·|A|, however large ρ is
-        dual_clipped = (A < 0) & (pg_loss > dual_clip * A.abs())
-        pg_loss = torch.where(dual_clipped, dual_clip * A.abs(), pg_loss)
-    if is_weight is not None:       # the sampler's tokens reweighed to π_old (--rollout-is)
-        pg_loss = is_weight * pg_loss
+class Clip(NamedTuple):
+    """The clip band [1 − ε_low, 1 + ε_high] (--clip-eps, --clip-eps-high) and dual-clip's C."""
+    low: float
+    high: float
+    dual: float | None = None
+
+
+def ppo_clip(logp, old_logp, A, mask, clip):
+    """PPO's clipped surrogate (Schulman et al. 2017; DeepSeekMath eq. 3), with DAPO's clip-higher
+    where ε_high > ε_low. A clipped token (the clip the active term) gets no gradient.
+
+        ρ_t = exp(log π_θ(o_t) − log π_old(o_t))
+        ℓ_t = −min(ρ_t·A, clip(ρ_t, 1 − ε_low, 1 + ε_high)·A)"""
+    return clipped_surrogate(torch.exp(logp - old_logp), A, clip)
+
+
+def gspo(logp, old_logp, A, mask, clip):
+    """GSPO (Zheng et al. 2025): one ratio per completion, the exp of its mean token log-ratio, clipped
+    as PPO's, with a far smaller band (GSPO's ε_low 3e-4, ε_high 4e-4). A clipped completion gets no
+    gradient.
+
+        ρ_i = exp((1/|o_i|) Σ_t (log π_θ(o_t) − log π_old(o_t)))
+        ℓ_t = −min(ρ_i·A, clip(ρ_i, 1 − ε_low, 1 + ε_high)·A)          for every token t of o_i"""
+    log_ratio = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return clipped_surrogate(torch.exp(log_ratio.expand_as(logp)), A, clip)    # ρ_i, constant along T [n, T]
+
+
+def dual_clip(logp, old_logp, A, mask, clip):
+    """Dual-clip PPO (Ye et al. 2020): PPO's clip, and for A < 0 a loss of at most C·|A| however large
+    ρ_t grows (C = --dual-clip > 1). A token of either clip gets no gradient.
+
+        ℓ_t = min(−min(ρ_t·A, clip(ρ_t, 1 − ε_low, 1 + ε_high)·A), C·|A|)     where A < 0"""
+    pg_loss, ratio, clipped = ppo_clip(logp, old_logp, A, mask, clip)
+    dual = (A < 0) & (pg_loss > clip.dual * A.abs())                           # [n, T]
+    return torch.where(dual, clip.dual * A.abs(), pg_loss), ratio, {**clipped, "dual": dual}
+
+
+def cispo(logp, old_logp, A, mask, clip):
+    """CISPO (MiniMax-M1, 2025): the clipped ratio is a weight without gradient on the REINFORCE term,
+    so every token keeps its gradient; a clipped token's weight is capped, its gradient not dropped.
+
+        ρ_t = exp(log π_θ(o_t) − log π_old(o_t))
+        ℓ_t = −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high))·A·log π_θ(o_t)"""
+    ratio = torch.exp(logp - old_logp)                                         # ρ_t [n, T]
+    weight = torch.clamp(ratio, 1 - clip.low, 1 + clip.high).detach()          # sg(clip(ρ_t))
+    return -weight * A * logp, ratio, {"low": ratio < 1 - clip.low, "high": ratio > 1 + clip.high}
+
+
+def clipped_surrogate(ratio, A, clip):
+    """−min(ρ·A, clip(ρ)·A) and where the clip is the active term, below and above the band."""
+    pg_loss = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * A)   # [n, T]
+    return pg_loss, ratio, {"low": (ratio < 1 - clip.low) & (A < 0), "high": (ratio > 1 + clip.high) & (A > 0)}
+
+
+# --policy-loss NAME → (the loss, what its clip does to a token whose ratio leaves the band).
+POLICY_LOSSES = {"ppo": (ppo_clip, "get no gradient"), "gspo": (gspo, "get no gradient"),
+                 "dual_clip": (dual_clip, "get no gradient"), "cispo": (cispo, "keep their gradient, weight capped")}
+
+# --kl-estimator: x = log π_ref − log π_θ (Schulman 2020). k1's expected gradient on-policy is 0 (noise
+# only: warned); k2's is ∇KL(π_θ‖π_ref); k3's, ∇KL(π_ref‖π_θ). k3 is the KL reported whichever is used.
+KL_ESTIMATORS = {"k1": lambda x: -x, "k2": lambda x: x ** 2 / 2, "k3": lambda x: torch.exp(x) - x - 1}
+
+
+def token_loss(pg_loss, logp, ref_logp, *, beta, kl_estimator="k3", entropy=None, entropy_coef=0.0):
+    """ℓ_t of docs/formats.md from the policy loss's term pg_t: plus β times the KL estimator k_t, minus
+    c·H_t (`entropy`, with its gradient; verl). Returns ℓ_t, k3_t and k_t, [n, T] each.
+
+        ℓ_t = pg_t + β·k_t − c·H_t"""
     kl = penalty = torch.zeros_like(logp)
     if ref_logp is not None:
-        # x = log π_ref − log π_θ, bounded to ±20 as verl does: e^x overflows float32 beyond 88.
+        # x bounded to ±20 as verl does: e^x overflows float32 beyond 88.
         x = (ref_logp - logp).clamp(-20.0, 20.0)                               # [n, T]
-        kl = torch.exp(x) - x - 1                                              # k3_t, the KL that is reported
-        if kl_estimator == "k1":    # E[∇k1] = −E[∇ log π_θ] = 0 on-policy: noise only (warned)
-            penalty = -x
-        elif kl_estimator == "k2":  # E[∇k2] = ∇ KL(π_θ‖π_ref)
-            penalty = x ** 2 / 2
-        else:                       # E[∇k3] = ∇ KL(π_ref‖π_θ)
-            penalty = kl
-    loss = pg_loss                                                             # ℓ_t            [n, T]
+        kl = KL_ESTIMATORS["k3"](x)                                            # k3_t, the KL reported
+        penalty = KL_ESTIMATORS[kl_estimator](x)                               # k_t in the loss
+    loss = pg_loss                                                             # ℓ_t [n, T]
     if beta != 0:                   # β = 0 adds no penalty at all (0·inf would be NaN)
         loss = loss + beta * penalty
     if entropy_coef != 0:
         loss = loss - entropy_coef * entropy
-    terms = {"pg_loss": pg_loss, "kl": kl, "kl_penalty": penalty, "ratio": ratio,
-             "dual_clipped": dual_clipped,
-             "clipped_low": (ratio < 1 - clip_eps) & (A < 0),                  # the clip is the active term
-             "clipped_high": (ratio > 1 + clip_eps_high) & (A > 0)}
-    return loss, terms
+    return loss, kl, penalty
 
 
 def rollout_is_weights(old_logp, sampler_logp, mode, cap):
@@ -163,32 +190,42 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
     log π_ref comes from `ref_model` by the very call that computes log π_θ, on the same rows and
     shapes, so at θ = θ_ref the two are equal to the bit (docs/numerics.md); without one, from the
     rollouts' ref_logprobs."""
-    plan = minibatches.plan(rollouts, args.epochs, args)
+    plan = minibatches.plan(len(rollouts["group_ids"]), args.epochs, args.minibatch_size, args.seed)
     rollouts = training_rows(policy, rollouts, advantages, args, plan[0])
     mismatch = diagnostics.rollout_mismatch(rollouts, args.rollout_is_cap) if "sampler_logprobs" in rollouts else {}
-    log = UpdateMetrics(args.clip_eps, args.clip_eps_high, args.ratio_level,
-                        ref_model is not None or "ref_logprobs" in rollouts)
+    log = UpdateMetrics(Clip(args.clip_eps, args.clip_eps_high), ref_model is not None or "ref_logprobs" in rollouts)
     skipped = 0
-    bar = tqdm(total=sum(map(len, plan)), desc="update", leave=False, disable=None if distributed.is_main() else True)
     with (modeling.gradient_checkpointing([policy], args.gradient_checkpointing),
           lora.dropout(policy, args.lora_dropout, args.seed)):
-        for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
-            num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
-            optimizer.zero_grad(set_to_none=True)
-            log.start()
-            grad_norm = minibatches.gradient(policy, rollouts, rows, args, log.add, lambda batch: micro_batch_loss(
-                policy, ref_model, batch, args, num_seqs, num_tokens))
-            bar.update(1)
-            if not log.end_minibatch(grad_norm):      # NaN or inf would reach every weight
-                skipped = optim.skip_step(optimizer, skipped, grad_norm, log.sums["loss"], args.max_bad_steps)
-                continue
-            lr = optim.step(optimizer, args, args.lr)
-            log.step(num_tokens, lr)
-            bar.set_postfix(loss=f"{log.sums['loss']:.4f}")
-    bar.close()
-    for warning in log.warnings():
+        for rows in tqdm([rows for epoch in plan for rows in epoch], desc="update", leave=False,
+                         disable=None if distributed.is_main() else True):                      # [M]
+            if not policy_step(policy, optimizer, ref_model, rollouts, rows, args, log):
+                skipped = optim.skip_step(optimizer, skipped, log.grad_norm, log.sums["loss"], args.max_bad_steps)
+    for warning in log.warnings(POLICY_LOSSES[args.policy_loss][1]):
         warn(warning)
     return {**log.summary(skipped), **mismatch}
+
+
+def policy_step(policy, optimizer, ref_model, rollouts, rows, args, log):
+    """One AdamW step on the minibatch `rows`, its metrics recorded in `log`; False when its loss or
+    gradient is not finite (NaN would reach every weight: no step then)."""
+    num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)   # its normalisers
+    optimizer.zero_grad(set_to_none=True)
+    log.start()
+    for batch, weight in minibatches.accumulation_passes(policy, rollouts, rows, args.micro_batch_size):
+        loss, terms = micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens)
+        (loss * weight).backward()                # DDP and FSDP average over ranks; × world: a sum
+        if weight:                                # weight 0: a pass that pads this rank's share
+            log.add(batch, loss, terms)
+    grad_norm = optim.clip_gradients(policy, args.max_grad_norm)                # the norm before clipping
+    if not log.end_minibatch(grad_norm):
+        return False
+    lr = optim.scheduled_lr(optim.adamw_steps(optimizer), args.lr, args.warmup_steps, args.lr_schedule,
+                            args.total_steps)
+    optim.set_lr(optimizer, lr, args.weight_decay)
+    optimizer.step()
+    log.step(num_tokens, lr)
+    return True
 
 
 def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
@@ -203,14 +240,19 @@ def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
     logp, entropy = modeling.completion_logprobs(
         policy, *inputs, args.temperature, with_entropy=True, entropy_grad=args.entropy_coef != 0,
         share_prefix=args.prefix_sharing)                                                  # log π_θ [n, T]
-    token_loss, terms = grpo_token_loss(
-        logp, batch["old_logprobs"], ref_logp, batch["advantages"], mask, beta=args.beta, clip_eps=args.clip_eps,
-        clip_eps_high=args.clip_eps_high, dual_clip=args.dual_clip, ratio_level=args.ratio_level,
-        kl_estimator=args.kl_estimator, entropy=entropy, entropy_coef=args.entropy_coef,
-        is_weight=batch.get("is_weight"))                                                  # ℓ_t [n, T]
-    loss = aggregate(token_loss, loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
-    terms.update(logp=logp, ref_logp=ref_logp, entropy=entropy, policy_loss=aggregate(
-        terms["pg_loss"].detach(), loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens))
+    A = batch["advantages"][:, None] if batch["advantages"].dim() == 1 else batch["advantages"]   # [n, 1] or [n, T]
+    policy_loss = POLICY_LOSSES[args.policy_loss][0]
+    pg_loss, ratio, clipped = policy_loss(logp, batch["old_logprobs"], A, mask,
+                                          Clip(args.clip_eps, args.clip_eps_high, args.dual_clip))   # [n, T]
+    if "is_weight" in batch:                      # the sampler's tokens reweighed to π_old (--rollout-is)
+        pg_loss = batch["is_weight"] * pg_loss
+    loss_t, kl, penalty = token_loss(pg_loss, logp, ref_logp, beta=args.beta, kl_estimator=args.kl_estimator,
+                                     entropy=entropy, entropy_coef=args.entropy_coef)        # ℓ_t [n, T]
+    loss = aggregate(loss_t, loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    terms = {"pg_loss": pg_loss, "kl": kl, "kl_penalty": penalty, "ratio": ratio, "clipped_low": clipped["low"],
+             "clipped_high": clipped["high"], "dual_clipped": clipped.get("dual"), "logp": logp,
+             "ref_logp": ref_logp, "entropy": entropy, "policy_loss": aggregate(
+                 pg_loss.detach(), loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)}
     return loss, terms
 
 
@@ -219,32 +261,46 @@ def train_critic(critic, rollouts, returns, args):
     one AdamW step each (at --critic-lr) on the clipped value loss towards `returns`, aggregated over
     tokens like the policy loss; returns its metrics: the means over its steps and the explained
     variance of the sampled V_old (how much of the returns' variance the critic predicted)."""
-    plan = minibatches.plan(rollouts, args.critic_epochs, args)
+    plan = minibatches.plan(len(rollouts["group_ids"]), args.critic_epochs, args.minibatch_size, args.seed)
     keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "values")
     rollouts = {**{k: rollouts[k] for k in keys}, "returns": returns,
-                "loss_mask": minibatches.loss_mask(rollouts, args)}
+                "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated)}
     steps, skipped = [], 0
     with modeling.gradient_checkpointing([critic.model], args.gradient_checkpointing):
         for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
-            num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)
-            critic.optimizer.zero_grad(set_to_none=True)
-            step = Counter(dict.fromkeys(("value_loss", "value_clipped", "value_sum"), 0.0))
-            grad_norm = minibatches.gradient(critic.model, rollouts, rows, args, lambda _, __, sums: step.update(sums),
-                                             lambda batch: value_loss(critic.model, batch, args, num_seqs, num_tokens))
-            step = distributed.all_reduce(step, "sum")
-            if not (math.isfinite(step["value_loss"]) and math.isfinite(grad_norm)):
-                skipped = optim.skip_step(critic.optimizer, skipped, grad_norm, step["value_loss"],
+            step = critic_step(critic, rollouts, rows, args)
+            if not (math.isfinite(step["value_loss"]) and math.isfinite(step["value_grad_norm"])):
+                skipped = optim.skip_step(critic.optimizer, skipped, step["value_grad_norm"], step["value_loss"],
                                           args.max_bad_steps)
                 continue
-            optim.step(critic.optimizer, args, args.critic_lr)
-            steps.append({"value_loss": step["value_loss"], "value_grad_norm": grad_norm,
-                          "value_clip_frac": step["value_clipped"] / num_tokens,
-                          "value_mean": step["value_sum"] / num_tokens})
+            steps.append(step)
     metrics = {k: sum(s[k] for s in steps) / len(steps) if steps else None
                for k in ("value_loss", "value_grad_norm", "value_clip_frac", "value_mean")}
     return {**metrics, "critic_steps": len(steps), "critic_skipped_steps": skipped,
             "explained_variance": diagnostics.explained_variance(rollouts["values"], returns,
                                                                  rollouts["completion_mask"])}
+
+
+def critic_step(critic, rollouts, rows, args):
+    """One AdamW step of the critic on the minibatch `rows` (none when its loss or gradient is not
+    finite); returns its metrics."""
+    num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)   # its normalisers
+    critic.optimizer.zero_grad(set_to_none=True)
+    sums = Counter(dict.fromkeys(("value_loss", "value_clipped", "value_sum"), 0.0))
+    for batch, weight in minibatches.accumulation_passes(critic.model, rollouts, rows, args.micro_batch_size):
+        loss, batch_sums = value_loss(critic.model, batch, args, num_seqs, num_tokens)
+        (loss * weight).backward()
+        if weight:
+            sums.update(batch_sums)
+    sums = distributed.all_reduce(sums, "sum")
+    grad_norm = optim.clip_gradients(critic.model, args.max_grad_norm)
+    if math.isfinite(sums["value_loss"]) and math.isfinite(grad_norm):
+        lr = optim.scheduled_lr(optim.adamw_steps(critic.optimizer), args.critic_lr, args.warmup_steps,
+                                args.lr_schedule, args.total_steps)       # the policy's schedule, its own steps
+        optim.set_lr(critic.optimizer, lr, args.weight_decay)
+        critic.optimizer.step()
+    return {"value_loss": sums["value_loss"], "value_grad_norm": grad_norm,
+            "value_clip_frac": sums["value_clipped"] / num_tokens, "value_mean": sums["value_sum"] / num_tokens}
 
 
 def value_loss(critic, batch, args, num_seqs, num_tokens):
@@ -263,7 +319,7 @@ def training_rows(policy, rollouts, advantages, args, first_epoch):
     recompute, log π_old comes from the policy as it is now, in the passes of the first epoch
     (`first_epoch`: its minibatches' rows), every rank's, so that the first step's ratio is exactly 1.
     With --rollout-is, each token's importance weight between that π_old and the sampler's q."""
-    rollouts = {**rollouts, "loss_mask": minibatches.loss_mask(rollouts, args), "advantages": advantages}
+    rollouts = {**rollouts, "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated), "advantages": advantages}
     if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
         passes = [idx for rows in first_epoch for idx in distributed.every_rank_passes(rows, args.micro_batch_size)]
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature, 0,
@@ -284,44 +340,30 @@ def build_parser():
     paths.add_argument("--rollouts", required=True, help="rollouts.safetensors (log π_old, log π_ref)")
     paths.add_argument("--advantages", required=True, help="advantages.safetensors from advantage.py (A)")
     paths.add_argument("--out", required=True, help="output folder: checkpoint, optimizer state, metrics.json")
-    paths.add_argument("--ref-model", default=None,
-                       help="π_ref: the frozen reference (folder or Hub id; default: the rollouts' --ref-model);\n"
-                            "its log-probs are computed in each micro-batch by the call that computes log π_θ")
+    paths.add_argument("--ref-model", default=None, help="π_ref, the frozen reference (default: the rollouts')")
     paths.add_argument("--critic", default=None, help="PPO: the critic V to train (from train.py --algo ppo)")
     paths.add_argument("--critic-out", default=None, help="PPO: output folder of the critic and its AdamW state")
     loss = p.add_argument_group("the algorithm: the clipped, KL-penalised loss")
     loss.add_argument("--beta", type=float, default=0.01, help="β: weight of the KL penalty (default 0.01)")
     loss.add_argument("--clip-eps", type=float, default=0.2, help="ε (ε_low): clip ρ to [1−ε, 1+ε] (0.2)")
     loss.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
-    loss.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
-                      help="how ℓ_t is averaged: seq, the mean of the sequences' token means (DeepSeekMath,\n"
-                           "default); token, Σ ℓ_t / token count (DAPO); dr_grpo, Σ ℓ_t / (N × L_max)")
+    loss.add_argument("--policy-loss", default="ppo", choices=list(POLICY_LOSSES),
+                      help="the policy term of ℓ_t, a function of update.py:POLICY_LOSSES (default ppo)")
     loss.add_argument("--dual-clip", type=float, default=None, metavar="C",
-                      help="C: for A < 0 cap the token loss at C·|A|, C > 1 (dual-clip PPO, Ye et al. 2020)")
-    loss.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
-                      help="token: ρ_t per token (default); sequence: one ρ_i = exp(mean_t log ρ_t) per\n"
-                           "completion (GSPO, Zheng et al. 2025, with a far smaller ε: 3e-4, ε_high 4e-4)")
-    loss.add_argument("--kl-estimator", default="k3", choices=["k1", "k2", "k3"],
-                      help="KL estimator in the loss, x = log π_ref − log π_θ (Schulman 2020): k1 = −x,\n"
-                           "whose expected gradient on-policy is 0 (noise only); k2 = x²/2, the gradient of\n"
-                           "KL(π_θ‖π_ref); k3 = eˣ − x − 1 (default), that of KL(π_ref‖π_θ).\n"
-                           "metrics: k3")
-    loss.add_argument("--entropy-coef", type=float, default=0.0,
-                      help="c: add −c·H_t to ℓ_t (verl; default 0)")
+                      help="C of --policy-loss dual_clip, C > 1 (default 3)")
+    loss.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
+                      help="how ℓ_t is averaged: seq (DeepSeekMath, default), token (DAPO), dr_grpo (Dr. GRPO)")
+    loss.add_argument("--kl-estimator", default="k3", choices=list(KL_ESTIMATORS),
+                      help="the KL estimator k_t in ℓ_t (Schulman 2020; default k3, the one reported)")
+    loss.add_argument("--entropy-coef", type=float, default=0.0, help="c: add −c·H_t to ℓ_t (verl; default 0)")
     loss.add_argument("--mask-truncated", action="store_true",
                       help="no loss on completions that reached L_max without EOS (DAPO's overlong filtering)")
     loss.add_argument("--old-logprobs", default=None, choices=["sampler", "recompute"],
-                      help="log π_old: the rollouts' (sampler), or this forward's before the first step\n"
-                           "(recompute, as TRL and verl do); default: sampler on a CPU, recompute on a GPU")
+                      help="log π_old: the rollouts', or this forward's (default: sampler on a CPU, else recompute)")
     loss.add_argument("--ref-logprobs", default=None, choices=["recompute", "rollouts"],
-                      help="log π_ref: recompute, from --ref-model beside log π_θ, in its shapes (equal to the bit\n"
-                           "at θ = θ_ref); rollouts, the file's ref_logprobs (computed in other shapes, they\n"
-                           "differ by rounding, which AdamW can turn into a step: docs/numerics.md). Default:\n"
-                           "recompute when a reference is named (--ref-model, or the rollouts'), else rollouts")
+                      help="log π_ref: beside log π_θ, or the rollouts' (default: recompute given a reference)")
     loss.add_argument("--rollout-is", default="none", choices=["none", "tis", "mis"],
-                      help="importance weight w_t = π_old/q between π_old and the distribution q the sampler drew\n"
-                           "from (the rollouts' sampler_logprobs: top-k/top-p/min-p, or another engine): none\n"
-                           "(default); tis, min(w_t, C); mis, w_t, or 0 beyond C (update.py:rollout_is_weights)")
+                      help="w_t = π_old/q, the sampler's q: none (default), truncated at C, or masked beyond C")
     loss.add_argument("--rollout-is-cap", type=float, default=2.0, metavar="C",
                       help="C: the cap of --rollout-is (default 2, TRL's and verl's)")
     loss.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
@@ -342,26 +384,18 @@ def build_parser():
     opt.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     opt.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
     ppo = p.add_argument_group("PPO's critic")
-    ppo.add_argument("--critic-lr", type=float, default=None,
-                     help="the critic's AdamW lr (default 10 × --lr: its head starts from zero and must fit\n"
-                          "the returns within a few steps while the policy moves slowly; verl's defaults)")
-    ppo.add_argument("--critic-epochs", type=int, default=None,
-                     help="PPO: the critic's passes over the rollouts, each a shuffle cut into minibatches of\n"
-                          "--minibatch-size, one AdamW step each (default: --epochs; verl's critic.ppo_epochs)")
+    ppo.add_argument("--critic-lr", type=float, default=None, help="the critic's AdamW lr (default 10 × --lr)")
+    ppo.add_argument("--critic-epochs", type=int, default=None, help="the critic's passes (default: --epochs)")
     ppo.add_argument("--critic-only", action="store_true",
                      help="PPO: step the critic alone; --out gets the policy unchanged (train.py --critic-warmup)")
     ppo.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
-    ppo.add_argument("--value-clip", type=float, default=0.2,
-                     help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
+    ppo.add_argument("--value-clip", type=float, default=0.2, help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
     mem = p.add_argument_group("memory and devices")
     mem.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
     mem.add_argument("--gradient-checkpointing", action="store_true",
-                     help="recompute each layer's activations in the backward pass instead of keeping them:\n"
-                          "less memory, about one more forward pass of time; the same numbers")
+                     help="recompute activations in the backward pass: less memory, the same numbers")
     mem.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
-                     help="run each distinct prompt of a micro-batch once and let its completions attend to\n"
-                          "its keys and values (default); --no-prefix-sharing: each row's prompt its own\n"
-                          "(the reference path; the same numbers). Off under --gradient-checkpointing")
+                     help="run each distinct prompt of a micro-batch once (default; the same numbers)")
     mem.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 shards instead of DDP copies")
     add_runtime_flags(mem)
     lora.add_flags(p.add_argument_group("LoRA"))
@@ -384,6 +418,11 @@ def parse_args(argv=None):
     settings.check(args, RULES)
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    if args.dual_clip is not None and args.policy_loss != "dual_clip":
+        raise StageError(f"--dual-clip {args.dual_clip} is C of --policy-loss dual_clip, and the loss is "
+                         f"{args.policy_loss}; add --policy-loss dual_clip or leave --dual-clip out")
+    if args.policy_loss == "dual_clip" and args.dual_clip is None:
+        args.dual_clip = 3.0
     if args.lora_r and args.fsdp:
         raise StageError("--lora-r with --fsdp: LoRA adapters are not sharded here yet; use DDP (no --fsdp)")
     if args.lr_schedule != "constant" and not args.total_steps:

@@ -26,8 +26,8 @@ NO_SIGNAL_WARN = 0.5
 # On-policy, log π_θ and log π_old differ only by float rounding (about 1e-6 in float32 on a CPU,
 # 1e-2 in bf16 on a GPU); beyond these the sampler and the trainer compute different things.
 MISMATCH_WARN_MEAN, MISMATCH_WARN_MAX = 0.02, 0.5
-# On-policy every ratio is 1; above this share of tokens (or sequences) outside the clip band, the
-# rounding between sampler and trainer alone takes that share out of the gradient.
+# On-policy every ratio is 1; above this share of tokens outside the clip band, the rounding between
+# sampler and trainer alone clips that share (what a clip does depends on --policy-loss).
 CLIP_BAND_WARN = 0.01
 # A jump in one iteration that means the completions are collapsing onto one pattern.
 DIVERSITY_KEYS = ("distinct_1", "distinct_2", "repeat_4gram", "first_line_share")
@@ -206,13 +206,14 @@ def mismatch_warning(max_diff, mean_diff):
             f"temperature, and the dtype/padding.")
 
 
-def clip_band_warning(fraction, level):
-    """The warning to print when rounding alone puts ratios outside the clip band on-policy, or None."""
+def clip_band_warning(fraction, clip_effect):
+    """The warning to print when rounding alone puts ratios outside the clip band on-policy, or None;
+    `clip_effect` says what the policy loss's clip does to those tokens (update.POLICY_LOSSES)."""
     if fraction <= CLIP_BAND_WARN:
         return None
-    return (f"WARNING: before any step {fraction:.1%} of the {level}s have a ratio π_θ/π_old outside the "
-            f"clip band, so they get no gradient although nothing has been learnt yet: the sampler's and the "
-            f"update's log-probs differ by rounding. Pass --old-logprobs recompute, or widen --clip-eps.")
+    return (f"WARNING: before any step {fraction:.1%} of the tokens have a ratio π_θ/π_old outside the "
+            f"clip band, so they {clip_effect} although nothing has been learnt yet: the sampler's and "
+            f"the update's log-probs differ by rounding. Pass --old-logprobs recompute, or widen --clip-eps.")
 
 
 K1_WARNING = ("WARNING: --kl-estimator k1 in the loss: its expected gradient on-policy is 0 "

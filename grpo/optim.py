@@ -2,7 +2,7 @@
 the steps skipped for a non-finite loss or gradient.
 
 Whoever builds the optimizer (update.py for one update, train.py once per run), each step takes its
-learning rate and weight decay from the update's own arguments (`step`), so a setting cannot be
+learning rate and weight decay from the update's own arguments (`set_lr`), so a setting cannot be
 given to the update and lost on the way.
 """
 
@@ -45,18 +45,17 @@ def optimizer_state(model, fresh=False):
     return path if os.path.isfile(path) and not fresh else None
 
 
-def scheduled_lr(args, step, lr=None):
+def scheduled_lr(step, lr, warmup_steps=0, schedule="constant", total_steps=None):
     """The learning rate of AdamW's step `step` (0 for the first): a linear warm-up over W =
-    --warmup-steps, lr·(step + 1)/W, so the first step already moves (transformers' schedulers start at
-    0); then `lr` (default --lr), constant or decaying (linearly or as a half cosine) to 0 at
-    --total-steps. The critic follows the same schedule from --critic-lr, by its own step count."""
-    lr = args.lr if lr is None else lr
-    if step < args.warmup_steps:
-        return lr * (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
+    `warmup_steps`, lr·(step + 1)/W, so the first step already moves (transformers' schedulers start at
+    0); then `lr`, constant or decaying (`schedule` linear, or cosine: a half cosine) to 0 at
+    `total_steps`. The critic follows the same schedule from --critic-lr, by its own step count."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
         return lr
-    progress = min((step - args.warmup_steps) / max(args.total_steps - args.warmup_steps, 1), 1.0)
-    if args.lr_schedule == "linear":
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    if schedule == "linear":
         return lr * (1 - progress)
     return lr * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -72,15 +71,11 @@ def clip_gradients(model, max_norm):
     return float(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
 
 
-def step(optimizer, args, lr):
-    """One AdamW step at the learning rate the schedule gives its step count (optimizer.safetensors
-    keeps it across resumes) from `lr` (the policy's --lr, or the critic's --critic-lr), with
-    --weight-decay; returns that learning rate."""
-    lr = scheduled_lr(args, adamw_steps(optimizer), lr)
+def set_lr(optimizer, lr, weight_decay):
+    """The learning rate and weight decay of the next step, from the update's own arguments whoever
+    built the optimizer (optimizer.safetensors keeps its step count across resumes)."""
     for group in optimizer.param_groups:
-        group["lr"], group["weight_decay"] = lr, args.weight_decay
-    optimizer.step()
-    return lr
+        group["lr"], group["weight_decay"] = lr, weight_decay
 
 
 def skip_step(optimizer, skipped, grad_norm, loss, max_bad_steps):

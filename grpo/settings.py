@@ -157,6 +157,19 @@ def kinds(parser, flags, command):
     return {**run, **{name: kind(action) for name, (action, _) in flags.items()}}
 
 
+def in_todays_names(fields):
+    """Settings saved by an earlier version, in today's names: --rewards became --reward (with
+    --reward-weights); --ratio-level sequence became --policy-loss gspo, and --dual-clip C alone
+    --policy-loss dual_clip (update.py:POLICY_LOSSES)."""
+    fields = dict(fields)
+    if "rewards" in fields and "reward" not in fields:
+        fields["reward"] = fields.pop("rewards")
+    if "ratio_level" in fields and "policy_loss" not in fields:
+        sequence = fields.pop("ratio_level") == "sequence"
+        fields["policy_loss"] = "gspo" if sequence else "dual_clip" if fields.get("dual_clip") is not None else "ppo"
+    return fields
+
+
 def read_config(path, defaults, kinds):
     """Settings from a JSON file: {"config": {...}} as a run's config.json holds them, or the settings
     alone, checked by name and type; those it leaves out take their default."""
@@ -164,9 +177,7 @@ def read_config(path, defaults, kinds):
     fields = saved.get("config", saved) if isinstance(saved, dict) else None
     if not isinstance(fields, dict):
         raise StageError(f"{path}: expected a JSON object of settings")
-    if "rewards" in fields and "reward" not in fields:          # the setting's name before --reward-weights
-        fields = {**fields, "reward": fields["rewards"]}
-        del fields["rewards"]
+    fields = in_todays_names(fields)
     unknown = sorted(set(fields) - set(defaults))
     if unknown:
         raise StageError(f"{path}: unknown settings {', '.join(unknown)}")

@@ -4,7 +4,8 @@ one record per AdamW step (measured before the step), and their mean over the st
 A per-token mean is a term summed over the loss's tokens, divided by their count, so that it does
 not depend on how a minibatch is cut into micro-batches or shared between ranks. The first
 minibatch, before any step (when π_θ is still π_old), also gives the on-policy check:
-|log π_θ − log π_old| and the share of tokens already outside the clip band; and |log π_θ − log π_ref|,
+|log π_θ − log π_old| and the share of tokens whose ratio (the policy loss's: GSPO's is its sequence's)
+is already outside the clip band; and |log π_θ − log π_ref|,
 exactly 0 while θ is still θ_ref (docs/numerics.md).
 """
 
@@ -14,7 +15,8 @@ import torch
 
 from grpo import diagnostics, distributed
 
-# metrics.json's per-token means -> the term of update.grpo_token_loss they average.
+# metrics.json's per-token means -> the term of update.py:micro_batch_loss they average (clipped_low,
+# clipped_high, dual_clipped: the tokens the policy loss's clip acted on; None where it has no such clip).
 TOKEN_MEANS = {"kl": "kl", "kl_penalty": "kl_penalty", "clip_frac_low": "clipped_low",
                "clip_frac_high": "clipped_high", "clip_frac_dual": "dual_clipped", "ratio_mean": "ratio",
                "entropy": "entropy"}
@@ -27,9 +29,8 @@ class UpdateMetrics:
     """The numbers of one update: start() a minibatch, add() each micro-batch, end_minibatch() with the
     gradient norms, step() after each AdamW step, summary() at the end."""
 
-    def __init__(self, clip_eps, clip_eps_high, ratio_level, has_ref):
-        self.clip_eps, self.clip_eps_high, self.ratio_level = clip_eps, clip_eps_high, ratio_level
-        self.has_ref = has_ref
+    def __init__(self, clip, has_ref):
+        self.clip, self.has_ref = clip, has_ref          # update.Clip: the band [1 − ε_low, 1 + ε_high]
         self.steps, self.on_policy, self.signal = [], None, []
 
     def start(self):
@@ -37,14 +38,14 @@ class UpdateMetrics:
 
     @torch.no_grad()
     def add(self, batch, loss, terms):
-        """A micro-batch's loss and per-token terms (grpo_token_loss's, with logp, ref_logp, entropy
-        and policy_loss)."""
+        """A micro-batch's loss and per-token terms (update.py:micro_batch_loss's)."""
         sums, maxes = self.sums, self.maxes
         mask, loss_mask = batch["completion_mask"], batch["loss_mask"]         # [n, T]
         sums["loss"] += loss.item()
         sums["policy_loss"] += terms["policy_loss"].item()
         for name, term in TOKEN_MEANS.items():
-            sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
+            if terms[term] is not None:
+                sums[name] += torch.where(loss_mask, terms[term].float(), 0.0).sum().item()
         A = batch["advantages"]                                                   # [n] or [n, T]
         signal = loss_mask & ((A != 0)[:, None] if A.dim() == 1 else (A != 0))     # [n, T] tokens that can clip
         sums["signal_tokens"] += signal.sum().item()
@@ -57,12 +58,10 @@ class UpdateMetrics:
                 sums[name] += diff_sum
                 maxes[name] = max(maxes[name], diff_max)
         sums["completion_tokens"] += mask.sum().item()
-        sequence = self.ratio_level == "sequence"                                   # one ratio per row
-        ratio = terms["ratio"][:, :1] if sequence else terms["ratio"]             # [n, 1] or [n, T]
-        checked = mask.any(-1, keepdim=True) if sequence else mask
-        outside = (ratio < 1 - self.clip_eps) | (ratio > 1 + self.clip_eps_high)
-        sums["outside_clip"] += (outside & checked).sum().item()
-        sums["checked"] += checked.sum().item()
+        ratio = terms["ratio"]                                                      # [n, T]
+        outside = (ratio < 1 - self.clip.low) | (ratio > 1 + self.clip.high)
+        sums["outside_clip"] += (outside & mask).sum().item()
+        sums["checked"] += mask.sum().item()
 
     def end_minibatch(self, grad_norm):
         """Combine the ranks' sums; False when the loss or a gradient is not finite (no step then)."""
@@ -110,10 +109,11 @@ class UpdateMetrics:
         return {**means, "clip_frac_signal": clipped / tokens if tokens else None,
                 "optimizer_steps": len(self.steps), "skipped_steps": skipped, **self.on_policy}
 
-    def warnings(self):
-        """What the on-policy check calls for: sampler and trainer disagree, or rounding alone clips."""
+    def warnings(self, clip_effect):
+        """What the on-policy check calls for: sampler and trainer disagree, or rounding alone clips
+        (`clip_effect`: what the policy loss's clip does to those tokens, update.POLICY_LOSSES)."""
         on_policy = self.on_policy
         warnings = [diagnostics.mismatch_warning(on_policy["logprob_diff_max"],
                                                  on_policy["logprob_diff_mean"]),
-                    diagnostics.clip_band_warning(on_policy["outside_clip_on_policy"], self.ratio_level)]
+                    diagnostics.clip_band_warning(on_policy["outside_clip_on_policy"], clip_effect)]
         return [w for w in warnings if w]

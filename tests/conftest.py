@@ -122,3 +122,17 @@ def kill_then_resume(argv, run_dir, markers):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     return subprocess.run(argv + ["--resume"], cwd=ROOT, capture_output=True, text=True)
+
+
+def token_loss_terms(logp, old, ref, adv, mask, *, beta, clip_eps, clip_eps_high, policy_loss="ppo", dual_clip=None,
+                     kl_estimator="k3", is_weight=None):
+    """ℓ_t and its terms as update.py:micro_batch_loss composes them from the policy loss of --policy-loss,
+    the importance weight and update.py:token_loss, on hand-made tensors [n, T] (advantages [n])."""
+    import update
+    loss_fn = update.POLICY_LOSSES[policy_loss][0]
+    pg_loss, ratio, clipped = loss_fn(logp, old, adv[:, None], mask, update.Clip(clip_eps, clip_eps_high, dual_clip))
+    if is_weight is not None:
+        pg_loss = is_weight * pg_loss
+    loss, kl, penalty = update.token_loss(pg_loss, logp, ref, beta=beta, kl_estimator=kl_estimator)
+    return loss, {"pg_loss": pg_loss, "ratio": ratio, "kl": kl, "kl_penalty": penalty, "clipped_low": clipped["low"],
+                  "clipped_high": clipped["high"], "dual_clipped": clipped.get("dual")}

@@ -129,11 +129,11 @@ def code_ref_problems(text, page, root=ROOT):
 def test_the_checkers_catch_what_they_are_for(tmp_path):
     page = str(tmp_path / "page.md")
     open(page, "w", encoding="utf-8").write("# A title\n\n## update.py's metrics.json\n")
-    assert code_ref_problems("`update.py:grpo_token_loss` and `grpo/checkpoints.py:BackgroundSaver.wait`",
+    assert code_ref_problems("`update.py:ppo_clip` and `grpo/checkpoints.py:BackgroundSaver.wait`",
                              page) == []
     for bad in ("see `update.py:no_such_function`", "`no_such_file.py:main`",
-                "`grpo/checkpoints.py:BackgroundSaver.no_such_method`", "`update.py:grpo_token_loss.x`",
-                "`update.grpo_token_loss`", "`grpo.modeling.completion_logprobs`"):
+                "`grpo/checkpoints.py:BackgroundSaver.no_such_method`", "`update.py:ppo_clip.x`",
+                "`update.ppo_clip`", "`grpo.modeling.completion_logprobs`"):
         assert len(code_ref_problems(bad, page)) == 1, bad
     assert code_ref_problems("`--reward path/file.py:function`, `train.py`, `metrics.json`", page) == []
     assert link_problems("[a](page.md) [b](#a-title) [c](page.md#updatepys-metricsjson) "

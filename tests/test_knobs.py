@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_user_error, cli
+from conftest import assert_user_error, cli, token_loss_terms
 from safetensors.torch import load_file, save_file
 from test_train import assert_same_weights
 from test_update import hand_batch, rollouts_of, run_update
@@ -33,7 +33,7 @@ def test_expected_gradient_of_each_kl_estimator(estimator):
     theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
     log_ref = torch.log_softmax(torch.randn(6, dtype=torch.float64), 0)
     logp = torch.log_softmax(theta, 0)                                        # [V], each category a row
-    _, terms = update.grpo_token_loss(logp[:, None], logp[:, None].detach(), log_ref[:, None],
+    _, terms = token_loss_terms(logp[:, None], logp[:, None].detach(), log_ref[:, None],
                                       torch.zeros(6, dtype=torch.float64), torch.ones(6, 1, dtype=torch.bool),
                                       beta=1.0, clip_eps=0.2, clip_eps_high=0.2, kl_estimator=estimator)
     penalty = terms["kl_penalty"][:, 0]                                      # [V]
@@ -52,9 +52,9 @@ def test_expected_gradient_of_each_kl_estimator(estimator):
 def test_k3_is_bounded_and_beta_zero_adds_no_penalty():
     logp, old, ref, adv, mask = hand_batch()
     far = logp + 100.0                                           # e^100 overflows float32
-    loss, terms = update.grpo_token_loss(logp, old, far, adv, mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.2)
+    loss, terms = token_loss_terms(logp, old, far, adv, mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.2)
     assert torch.equal(loss, terms["pg_loss"])                   # β = 0: no penalty term, no NaN
-    loss, terms = update.grpo_token_loss(logp, old, far, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
+    loss, terms = token_loss_terms(logp, old, far, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
     torch.testing.assert_close(terms["kl"], torch.full((2, 3), math.exp(20) - 21))    # x clamped to 20
     assert torch.isfinite(loss).all()
 
@@ -142,7 +142,7 @@ def test_a_rounding_mismatch_outside_gspos_band_is_warned_and_recompute_removes_
     save_file({"advantages": torch.linspace(-1, 1, len(groups)), "group_ids": groups},
               str(tmp_path / "advantages.safetensors"))
     flags = ["--model", models["policy"], "--rollouts", tmp_path / "rollouts.safetensors", "--advantages",
-             tmp_path / "advantages.safetensors", "--ratio-level", "sequence", "--clip-eps", 3e-4,
+             tmp_path / "advantages.safetensors", "--policy-loss", "gspo", "--clip-eps", 3e-4,
              "--clip-eps-high", 4e-4]
     r = cli("update.py", *flags, "--out", tmp_path / "a")
     m = json.loads((tmp_path / "a" / "metrics.json").read_text())
@@ -185,12 +185,10 @@ def test_scale_group_batch_none(tmp_path):
 # Learning-rate schedule
 
 def test_schedule_hand_values():
-    cosine = update_args("--lr", 1.0, "--lr-schedule", "cosine", "--warmup-steps", 2, "--total-steps", 6)
-    assert [optim.scheduled_lr(cosine, s) for s in range(6)] == pytest.approx(
+    assert [optim.scheduled_lr(s, 1.0, warmup_steps=2, schedule="cosine", total_steps=6) for s in range(6)] == pytest.approx(
         [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
-    linear = update_args("--lr", 1.0, "--lr-schedule", "linear", "--total-steps", 4)
-    assert [optim.scheduled_lr(linear, s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
-    assert optim.scheduled_lr(update_args("--lr", 0.3), 99) == 0.3
+    assert [optim.scheduled_lr(s, 1.0, schedule="linear", total_steps=4) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert optim.scheduled_lr(99, 0.3) == 0.3
     with pytest.raises(Exception, match="--total-steps"):
         update_args("--lr-schedule", "linear")
 

@@ -97,22 +97,23 @@ def max_relative_difference(a, b):
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)).item() for k in b)
 
 
-@pytest.mark.parametrize("loss_agg, ratio_level, batching", [
-    ("seq", "token", ["--epochs", 2, "--minibatch-size", 6, "--micro-batch-size", 4]),
-    ("token", "token", ["--epochs", 2, "--minibatch-size", 6, "--micro-batch-size", 4]),
-    ("dr_grpo", "token", ["--epochs", 2, "--minibatch-size", 6, "--micro-batch-size", 4]),
-    ("seq", "sequence", ["--epochs", 1, "--minibatch-size", 0, "--micro-batch-size", 0]),
-    ("token", "sequence", ["--epochs", 2, "--minibatch-size", 8, "--micro-batch-size", 3]),
-    ("dr_grpo", "sequence", ["--epochs", 1, "--minibatch-size", 16, "--micro-batch-size", 5]),
+@pytest.mark.parametrize("loss_agg, policy_loss, batching", [
+    ("seq", "ppo", ["--epochs", 2, "--minibatch-size", 6, "--micro-batch-size", 4]),
+    ("token", "ppo", ["--epochs", 2, "--minibatch-size", 6, "--micro-batch-size", 4]),
+    ("dr_grpo", "ppo", ["--epochs", 2, "--minibatch-size", 6, "--micro-batch-size", 4]),
+    ("seq", "gspo", ["--epochs", 1, "--minibatch-size", 0, "--micro-batch-size", 0]),
+    ("token", "gspo", ["--epochs", 2, "--minibatch-size", 8, "--micro-batch-size", 3]),
+    ("dr_grpo", "gspo", ["--epochs", 1, "--minibatch-size", 16, "--micro-batch-size", 5]),
+    ("token", "cispo", ["--epochs", 2, "--minibatch-size", 6, "--micro-batch-size", 4]),
 ])
 def test_update_gradients_and_metrics_equal_the_unshared_path(models, rollout_dir, monkeypatch, loss_agg,
-                                                              ratio_level, batching):
+                                                              policy_loss, batching):
     """Every step's policy gradient within 1e-5 (relative) of the unshared path's, and the metrics too;
-    with the KL penalty, an entropy bonus and the recomputed π_old, for each --loss-agg and --ratio-level."""
+    with the KL penalty, an entropy bonus and the recomputed π_old, for each --loss-agg and --policy-loss."""
     rollouts = files.load_tensors(str(rollout_dir / "rollouts.safetensors"), files.ROLLOUTS)[0]
     advantages = torch.randn(rollouts["group_ids"].numel(), generator=torch.Generator().manual_seed(4))
-    argv = ["--lr", 1e-2, "--beta", 0.04, "--entropy-coef", 0.01, "--loss-agg", loss_agg, "--ratio-level",
-            ratio_level, "--old-logprobs", "recompute", "--clip-eps", 0.1, *batching]
+    argv = ["--lr", 1e-2, "--beta", 0.04, "--entropy-coef", 0.01, "--loss-agg", loss_agg, "--policy-loss",
+            policy_loss, "--old-logprobs", "recompute", "--clip-eps", 0.1, *batching]
     runs = []
     for extra in ([], ["--no-prefix-sharing"]):
         policy = loading.load_model(models["policy"], "cpu")

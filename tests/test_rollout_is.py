@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_user_error, cli
+from conftest import assert_user_error, cli, token_loss_terms
 from safetensors.torch import load_file
 
 import update
@@ -30,7 +30,7 @@ def test_the_weight_multiplies_the_policy_term_alone():
     logp, mask = OLD.log(), torch.ones(1, 3, dtype=torch.bool)
     ref = logp + 0.1
     w = torch.tensor([[2.0, 0.5, 0.0]])
-    loss, terms = update.grpo_token_loss(logp, logp, ref, torch.ones(1), mask, beta=0.5, clip_eps=0.2,
+    loss, terms = token_loss_terms(logp, logp, ref, torch.ones(1), mask, beta=0.5, clip_eps=0.2,
                                          clip_eps_high=0.2, is_weight=w)
     k3 = math.exp(0.1) - 0.1 - 1
     torch.testing.assert_close(loss, -w + 0.5 * k3)

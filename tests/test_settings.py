@@ -23,7 +23,7 @@ GRPO_KNOBS = {
     "overlong_buffer": 2, "length_penalty": 0.1, "on_reward_error": "skip",
     "scale": "batch", "eps": 0.001, "length_strata": 2,
     "lr": 0.002, "lr_schedule": "cosine", "warmup_steps": 1, "beta": 0.02, "clip_eps": 0.3, "clip_eps_high": 0.35,
-    "loss_agg": "token", "dual_clip": 3.0, "ratio_level": "sequence", "kl_estimator": "k2", "entropy_coef": 0.01,
+    "loss_agg": "token", "policy_loss": "dual_clip", "dual_clip": 4.0, "kl_estimator": "k2", "entropy_coef": 0.01,
     "mask_truncated": True, "old_logprobs": "recompute", "ref_logprobs": "rollouts", "allow_mismatch": True, "epochs": 2, "minibatch_size": 6,
     "rollout_is": "tis", "rollout_is_cap": 3.0,
     "gradient_checkpointing": True, "max_grad_norm": 0.5, "weight_decay": 0.5, "max_bad_steps": 3, "fsdp": True,

@@ -184,6 +184,11 @@ def test_config_file_starts_a_run_from_json(tiny_run, tmp_path):
     _, cfg, run = train.parse_args(["--config-file", str(path)])
     assert (cfg.model, cfg.lr, cfg.reward, cfg.group_size) == ("tiny", 0.002, ["char_class"], 8)
     assert run == os.path.join("runs", "mine")
+    # An earlier version's --ratio-level and --dual-clip: today's --policy-loss.
+    for old, loss in [({"ratio_level": "sequence", "dual_clip": None}, "gspo"), ({"ratio_level": "token"}, "ppo"),
+                      ({"ratio_level": "token", "dual_clip": 3.0}, "dual_clip")]:
+        path.write_text(json.dumps({"model": "tiny", "task": "char_classes", **old}))
+        assert train.parse_args(["--config-file", str(path)])[1].policy_loss == loss
     path.write_text(json.dumps({"model": "tiny", "learning_rate": 0.1}))
     assert_user_error(cli("train.py", "--config-file", path), str(path), "learning_rate")
     path.write_text("[1, 2]")

@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_user_error, cli
+from conftest import assert_user_error, cli, token_loss_terms
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from grpo import files, loading, modeling, optim
+from grpo import diagnostics, files, loading, modeling, optim
 import update
 
 LN2 = math.log(2.0)
@@ -36,7 +36,7 @@ def hand_batch():
 
 def test_token_loss_hand_vector():
     logp, old, ref, adv, mask = hand_batch()
-    loss, terms = update.grpo_token_loss(logp, old, ref, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
+    loss, terms = token_loss_terms(logp, old, ref, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
     expected_pg = torch.tensor([[-1.2, -0.5, -1.0], [1.6, 3.0, 2.2]])
     torch.testing.assert_close(terms["pg_loss"], expected_pg)
     torch.testing.assert_close(terms["kl"], torch.full((2, 3), K3_AT_LN2))
@@ -47,10 +47,48 @@ def test_token_loss_hand_vector():
 
 def test_clip_higher_is_asymmetric():
     logp, old, ref, adv, mask = hand_batch()
-    _, terms = update.grpo_token_loss(logp, old, ref, adv, mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
+    _, terms = token_loss_terms(logp, old, ref, adv, mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.28)
     # ρ = 1.5 with A = +1 is now clipped at 1.28; the low side is unchanged.
     assert terms["pg_loss"][0, 0].item() == pytest.approx(-1.28)
     assert terms["pg_loss"][1, 0].item() == pytest.approx(1.6)
+
+
+def test_cispo_hand_vector_and_every_token_keeps_its_gradient():
+    """CISPO: ℓ_t = −sg(clip(ρ_t, 0.8, 1.2))·A·log π_θ. Weights: row 0 (A = +1) 1.2, 0.8, 1.0; row 1
+    (A = −2) 0.8, 1.2, 1.1. The gradient in log π_θ is −clip(ρ_t)·A on every token, clipped ones too,
+    where PPO's is 0 on the two tokens its clip is active on."""
+    logp, old, ref, adv, mask = hand_batch()
+    theta = logp.clone().requires_grad_(True)
+    loss, terms = token_loss_terms(theta, old, ref, adv, mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.2,
+                                   policy_loss="cispo")
+    weight = torch.tensor([[1.2, 0.8, 1.0], [0.8, 1.2, 1.1]])
+    torch.testing.assert_close(terms["pg_loss"], -weight * adv[:, None] * logp)
+    (grad,) = torch.autograd.grad(loss.sum(), theta)
+    torch.testing.assert_close(grad, -weight * adv[:, None])
+    assert terms["clipped_high"].tolist() == [[True, False, False], [False, True, False]]   # ρ > 1.2, any A
+    assert terms["clipped_low"].tolist() == [[False, True, False], [True, False, False]]
+    ppo_loss, ppo_terms = token_loss_terms(theta, old, ref, adv, mask, beta=0.0, clip_eps=0.2, clip_eps_high=0.2)
+    (ppo_grad,) = torch.autograd.grad(ppo_loss.sum(), theta)
+    active = ppo_terms["clipped_low"] | ppo_terms["clipped_high"]
+    assert active.sum() == 2 and (ppo_grad[active] == 0).all() and (ppo_grad[~active] != 0).all()
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "dual_clip", "cispo"])
+def test_what_the_clip_warning_says_each_loss_does_is_what_it_does(policy_loss):
+    """update.POLICY_LOSSES says what each loss's clip does to a token outside the band, and the
+    on-policy warning repeats it: the gradient of a token the loss counts clipped is 0 exactly when it
+    says so (on the hand batch, whose ratios are outside the band)."""
+    logp, old, ref, adv, mask = hand_batch()
+    theta = logp.clone().requires_grad_(True)
+    eps = 0.05 if policy_loss == "gspo" else 0.2               # GSPO's row ratios are 0.91 and 0.87
+    loss, terms = token_loss_terms(theta, old, ref, adv, mask, beta=0.0, clip_eps=eps, clip_eps_high=eps,
+                                   policy_loss=policy_loss, dual_clip=1.2 if policy_loss == "dual_clip" else None)
+    (grad,) = torch.autograd.grad(loss.sum(), theta)
+    clipped = (terms["clipped_low"] | terms["clipped_high"]) & mask
+    assert clipped.any()
+    effect = update.POLICY_LOSSES[policy_loss][1]
+    assert ((grad[clipped] == 0).all() if effect == "get no gradient" else (grad[clipped] != 0).all()), effect
+    assert effect in diagnostics.clip_band_warning(0.5, effect)
 
 
 @pytest.mark.parametrize("loss_agg, expected", [
@@ -63,7 +101,7 @@ def test_clip_higher_is_asymmetric():
 ])
 def test_aggregation_hand_vector(loss_agg, expected):
     logp, old, ref, adv, mask = hand_batch()
-    loss, _ = update.grpo_token_loss(logp, old, ref, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
+    loss, _ = token_loss_terms(logp, old, ref, adv, mask, beta=0.1, clip_eps=0.2, clip_eps_high=0.2)
     value = update.aggregate(loss, mask, loss_agg, num_seqs=2, num_tokens=5, max_new_tokens=4)
     assert value.item() == pytest.approx(expected, abs=1e-6)
     # Split into one micro-batch per row, normalised by the minibatch: the same total.

@@ -38,6 +38,7 @@ def hand_files(models, tmp_path_factory):
     with torch.no_grad():
         logp = modeling.completion_logprobs(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
     ratio = torch.tensor([[1.5, 0.5, 1.0], [0.5, 1.5, 1.0], [4.0, 1.0, 1.0]])
+    torch.save(logp, d / "logp.pt")
     rollouts = {
         "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
         "completion_mask": completion_mask, "group_ids": torch.tensor([0, 0, 0]),
@@ -61,10 +62,10 @@ CASES = {
     # clip-higher: row 0's first token is clipped at 1.28 instead: row 0 mean (−1.28 − 0.5 − 1.0)/3.
     "clip_higher": (["--clip-eps-high", 0.28], ((-2.78) / 3 + 2.3 + 4.0) / 3 + BETA * K3),
     # dual clip C = 3: row 2's loss 4.0 with A = −1 is capped at 3·|A| = 3.
-    "dual_clip": (["--dual-clip", 3], ((-2.7) / 3 + 2.3 + 3.0) / 3 + BETA * K3),
+    "dual_clip": (["--policy-loss", "dual_clip", "--dual-clip", 3], ((-2.7) / 3 + 2.3 + 3.0) / 3 + BETA * K3),
     # GSPO: one ratio per completion, exp(mean log ρ): 0.75^(1/3), 0.75^(1/2), 4 -> policy terms
     # −0.908560 (inside the clip), +1.732051 (0.866 is inside [0.8, 1.2]), +4.0 (−min(−4, −1.2)).
-    "gspo": (["--ratio-level", "sequence"], (-(0.75 ** (1 / 3)) + 2 * 0.75 ** 0.5 + 4.0) / 3 + BETA * K3),
+    "gspo": (["--policy-loss", "gspo"], (-(0.75 ** (1 / 3)) + 2 * 0.75 ** 0.5 + 4.0) / 3 + BETA * K3),
     "k1": (["--kl-estimator", "k1"], 1.8 + BETA * K1),
     "k2": (["--kl-estimator", "k2"], 1.8 + BETA * K2),
 }
@@ -89,12 +90,34 @@ def test_update_variant_hand_vector(models, hand_files, tmp_path, case):
         assert m["kl_penalty"] == pytest.approx(K1, abs=1e-5)
 
 
+def test_cispo_through_the_command_line(models, hand_files, tmp_path):
+    """CISPO's ℓ_t = −clip(ρ_t, 0.8, 1.2)·A·log π_θ(o_t) from the policy's own log-probs: weights 1.2, 0.8,
+    1.0 (row 0, A = +1), 0.8, 1.2 (row 1, A = −2), 1.2 (row 2, A = −1); the seq mean plus β·k3. Every
+    ratio outside the band is counted clipped, whatever the sign of A (5 of 6 tokens)."""
+    logp = torch.load(hand_files / "logp.pt")                                            # [3, 3]
+    w = torch.tensor([[1.2, 0.8, 1.0], [0.8, 1.2, 1.0], [1.2, 1.0, 1.0]])
+    A = torch.tensor([[1.0], [-2.0], [-1.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False], [True, False, False]])
+    pg = -w * A * logp                                                                     # [3, 3]
+    expected = sum((pg[i][mask[i]].mean() for i in range(3))).item() / 3 + BETA * K3
+    out = tmp_path / "out"
+    r = cli("update.py", "--model", models["policy"], "--rollouts", hand_files / "rollouts.safetensors",
+            "--advantages", hand_files / "advantages.safetensors", "--out", out, "--beta", BETA,
+            "--policy-loss", "cispo")
+    assert r.code == 0, r.err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["loss"] == pytest.approx(expected, abs=1e-5)
+    assert m["clip_frac"] == pytest.approx(5 / 6) and m["clip_frac_dual"] == 0
+    assert "keep their gradient" in r.err                    # ratios outside the band on-policy: warned
+
+
 def test_variant_flag_errors(models, hand_files, tmp_path):
     args = ["--model", models["policy"], "--rollouts", hand_files / "rollouts.safetensors",
             "--advantages", hand_files / "advantages.safetensors", "--out", tmp_path / "out"]
-    assert_user_error(cli("update.py", *args, "--dual-clip", 0.5), "--dual-clip")
+    assert_user_error(cli("update.py", *args, "--policy-loss", "dual_clip", "--dual-clip", 0.5), "--dual-clip")
+    assert_user_error(cli("update.py", *args, "--dual-clip", 3), "--dual-clip", "--policy-loss dual_clip")
     assert_user_error(cli("update.py", *args, "--kl-estimator", "k4"), "--kl-estimator")
-    assert_user_error(cli("update.py", *args, "--ratio-level", "group"), "--ratio-level")
+    assert_user_error(cli("update.py", *args, "--policy-loss", "grpo"), "--policy-loss")
 
 
 def test_estimators_through_the_command_line(tmp_path):
