@@ -30,6 +30,7 @@ import contextlib
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -85,6 +86,23 @@ FLAGS = settings.stage_flags({script: stage.build_parser() for script, stage in 
 # ----------------------------------------------------------------------------------------
 # The loop: stages 1 → 4 on the models in memory, every stage's files written
 
+@dataclass
+class Run:
+    """What the loop carries from one iteration to the next."""
+    cfg: argparse.Namespace
+    dir: str
+    models: runs.Models
+    optimizer: object                  # AdamW, continued across iterations (and resumes)
+    reward_fns: list
+    records: list                      # the training records
+    held_out: evaluation.HeldOut
+    writer: object                     # TensorBoard's, on the main process
+    saver: checkpoints.BackgroundSaver
+    saved_at: int                      # iterations of the last save (the resume point)
+    bad_steps: int                     # skipped optimizer steps in the run so far
+    previous: dict | None              # the last iteration's metrics
+
+
 def train(cfg, run_dir, resume, records):
     """Iterations done .. cfg.iterations of the run in run_dir on the `records` of runs.run_records,
     with a held-out evaluation every --eval-every iterations and at the end, and a save (the resume
@@ -105,122 +123,145 @@ def train(cfg, run_dir, resume, records):
         held_out, *where["held_out"])], where["held_out_lines"])
     if resume and main:                         # only now: a resume that fails to start changes nothing
         checkpoints.drop_iterations(run_dir, done)
-    policy_dir = os.path.join(run_dir, "policy")
     weights = cfg.reward_weights or [1.0] * len(reward_fns)                 # as score.py weighs them
     held_out_eval = evaluation.HeldOut(
         held_out, models.tokenizer, max_new_tokens=cfg.max_new_tokens, run_dir=run_dir,
         score=lambda rows, rollouts: score.score(rollouts, rows, reward_fns, weights, cfg.on_reward_error),
         trust_remote_code=cfg.trust_remote_code, micro_batch_size=cfg.micro_batch_size)
-    writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
-    previous = files.read_json(previous) if done and os.path.isfile(previous) else None
-    saved_at, saver = done, checkpoints.BackgroundSaver()
-
+    run = Run(cfg, run_dir, models, optimizer, reward_fns, train_records, held_out_eval,
+              SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None,
+              checkpoints.BackgroundSaver(), done, bad_steps,
+              files.read_json(previous) if done and os.path.isfile(previous) else None)
     bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done,
                total=cfg.iterations, disable=None if main else True)
     try:
         for i in bar:
-            t0, perf, commands, held_out_metrics = time.perf_counter(), {}, [], {}
-            if main and cfg.eval_every and i % cfg.eval_every == 0:
-                held_out_metrics = held_out_eval(models.sampler, models.ref, models.base, i)
-            policy_path = checkpoints.sampler_dir(run_dir, i, models.base, saved_at, cfg.save_every,
-                                                  link=main and i == done)    # resumed from a kept save
-            it_dir = checkpoints.iteration_dir(run_dir, i, create=main)
-            paths = runs.model_paths(models, policy_path, i)
-
-            # Stages 1 and 2: G completions for each of B prompts, and their rewards.
-            def sample_round(slot):
-                commands.clear()
-                return sample_and_score(slot, i, cfg, it_dir, models, paths, train_records, reward_fns,
-                                        perf, commands)
-
-            if cfg.dynamic_sampling:
-                R = cfg.max_sample_rounds
-                batch, sample_args, score_args = dapo_dynamic_sampling(
-                    sample_round, i * R, R, cfg.num_prompts, cfg.group_size, models.tokenizer.pad_token_id,
-                    perf)
-                sample_args.dapo_dynamic_sampling = True      # the file holds groups of several rounds
-            else:
-                batch, sample_args, score_args = sample_round(i)
-            rollouts, rewards, skipped = batch["rollouts"], batch["rewards"], batch["skipped"]
-            lengths = rollouts["completion_mask"].sum(-1)                                       # [N]
-            # Stage 3: group-relative advantages.
-            advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, paths, commands)
-            adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths,
-                                               rollouts, skipped)
-            samples = runs.with_outputs(batch["samples"], rewards, batch["components"], skipped,
-                                        adv["advantages"], rollouts["completion_mask"])
-            with runs.timed(perf, "perf/io_s"):
-                if main:            # each file's made_from names the one before it (grpo/provenance.py)
-                    files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
-                    sample.write_outputs(it_dir, rollouts, samples, sample_args, provenance.fingerprint(models.sampler),
-                                         models.tokenizer_fingerprint)
-                    made_from = provenance.rewards_made_from(score_args.rollouts, samples)
-                    score.write_rewards(score_args.out, rewards, rollouts["group_ids"], batch["components"],
-                                        score_args, lengths, skipped, made_from)
-                    made_from = provenance.advantages_made_from(score_args.out, made_from["rollouts"])
-                    files.save_tensors(advantage_args.out, adv, files.ADVANTAGES[0], vars(advantage_args),
-                                       made_from=made_from)
-            # Stage 4: the clipped policy update.
-            update_args = stage_args("update.py", cfg, it_dir, i, i, paths, commands)
-            with runs.timed(perf, "perf/checkpoint_s"):
-                saver.wait()                              # a save in flight reads the weights it changes
-            with runs.timed(perf, "perf/update_s"):
-                losses = {} if update_args.critic_only else update.train_policy(
-                    models.policy, optimizer, rollouts, adv["advantages"], update_args,
-                    models.ref if update_args.ref_logprobs != "rollouts" else None)
-                if models.critic:
-                    losses.update(update.train_critic(models.critic, rollouts, adv["returns"], update_args))
-                if models.sampler is not models.policy:   # FSDP: the full copy that samples follows
-                    models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy),
-                                                   strict=False)
-            if models.engine is not None and not update_args.critic_only:   # vLLM: the new weights, in place
-                with runs.timed(perf, "perf/engine_sync_s"):
-                    models.engine.load_weights(models.sampler)
-
-            completions = [s["completion"] for s in samples]
-            metrics = {"iteration": i, **diagnostics.iteration_metrics(
-                rollouts, rewards, batch["components"], skipped, completions, cfg.group_size),
-                **diagnostics.update_metrics(losses), **perf,
-                "perf/tokens_per_s": lengths.sum().item() / perf["perf/sample_s"]}
-            if main and policy_path != policy_dir and not cfg.dynamic_sampling:   # the sampler is kept
-                run_log.write_replay(it_dir, i, commands)
-            if main and i == 0 and cfg.algo == "grpo":
-                spread = diagnostics.reward_spread(rewards, cfg.group_size, skipped)
-                tqdm.write("\n".join(diagnostics.spread_report(spread, cfg.group_size, cfg.estimator)))
-            flags = diagnostics.collapse_flags(metrics, previous)
-            metrics.update(flags, **held_out_metrics)
-            if flags["diversity/collapse"]:
-                warn(diagnostics.collapse_warning(flags, i))
-            bad_steps += losses.get("skipped_steps", 0) + losses.get("critic_skipped_steps", 0)
-            metrics["diag/bad_steps_total"] = bad_steps
-            if bad_steps > cfg.max_bad_steps:
-                raise StageError(f"{bad_steps} optimizer steps in this run had a non-finite loss or "
-                                 f"gradient, more than --max-bad-steps {cfg.max_bad_steps}; stopped, "
-                                 f"{policy_dir} holds the last good save ({saved_at} iterations)")
-            with runs.timed(metrics, "perf/checkpoint_s"):
-                keep = checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations
-                if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
-                    checkpoints.save_resume_point(models.policy, models.tokenizer, optimizer, losses,
-                                                  update_args, run_dir, i + 1, bad_steps, saver, keep,
-                                                  models.critic)
-                    saved_at = i + 1
-            metrics["perf/iteration_s"] = time.perf_counter() - t0
+            it_dir, metrics, samples = iteration(run, i, resumed_here=i == done)
             if main:
-                run_log.log_iteration(writer, bar, it_dir, i, metrics, samples, cfg.group_size)
-            previous = metrics
+                run_log.log_iteration(run.writer, bar, it_dir, i, metrics, samples, cfg.group_size)
+            run.previous = metrics
     finally:
-        saver.wait()                          # no save is left half-written, whatever ended the loop
+        run.saver.wait()                      # no save is left half-written, whatever ended the loop
         if models.engine is not None:
             models.engine.close()
     if main and cfg.eval_every:
         final = held_out_eval(models.sampler, models.ref, models.base, cfg.iterations)
-        run_log.log_scalars(writer, final, cfg.iterations)
+        run_log.log_scalars(run.writer, final, cfg.iterations)
         print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean'] or 0:.3f}, "
               f"reference {final['eval/ref_reward_mean'] or 0:.3f} ({final['eval/num_prompts']} prompts, "
               f"greedy, {final['eval/skipped_rewards']} without a reward)")
     if main:
-        writer.close()
+        run.writer.close()
+
+
+def iteration(run, i, resumed_here):
+    """Iteration i: the held-out evaluation when due, stages 1 → 4 with every stage's files written in
+    iter_XXXX/, and the save when due; returns that folder, its metrics and samples."""
+    cfg, models, main = run.cfg, run.models, distributed.is_main()
+    t0, perf, commands, held_out_metrics = time.perf_counter(), {}, [], {}
+    if main and cfg.eval_every and i % cfg.eval_every == 0:
+        held_out_metrics = run.held_out(models.sampler, models.ref, models.base, i)
+    policy_path = checkpoints.sampler_dir(run.dir, i, models.base, run.saved_at, cfg.save_every,
+                                          link=main and resumed_here)      # resumed from a kept save
+    it_dir = checkpoints.iteration_dir(run.dir, i, create=main)
+    paths = runs.model_paths(models, policy_path, i)
+
+    # Stages 1 and 2: G completions for each of B prompts, and their rewards.
+    def sample_round(slot):
+        commands.clear()
+        return sample_and_score(slot, i, cfg, it_dir, models, paths, run.records, run.reward_fns, perf, commands)
+
+    if cfg.dynamic_sampling:
+        R = cfg.max_sample_rounds
+        batch, sample_args, score_args = dapo_dynamic_sampling(
+            sample_round, i * R, R, cfg.num_prompts, cfg.group_size, models.tokenizer.pad_token_id, perf)
+        sample_args.dapo_dynamic_sampling = True      # the file holds groups of several rounds
+    else:
+        batch, sample_args, score_args = sample_round(i)
+    rollouts, rewards, skipped = batch["rollouts"], batch["rewards"], batch["skipped"]
+    # Stage 3: group-relative advantages.
+    advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, paths, commands)
+    adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args,
+                                       rollouts["completion_mask"].sum(-1), rollouts, skipped)
+    samples = runs.with_outputs(batch["samples"], rewards, batch["components"], skipped, adv["advantages"],
+                                rollouts["completion_mask"])
+    with runs.timed(perf, "perf/io_s"):
+        if main:
+            write_stage_files(it_dir, batch, samples, adv, sample_args, score_args, advantage_args, models)
+    # Stage 4: the clipped policy update.
+    update_args = stage_args("update.py", cfg, it_dir, i, i, paths, commands)
+    losses = update_policy(run, rollouts, adv, update_args, perf)
+    if main and policy_path != os.path.join(run.dir, "policy") and not cfg.dynamic_sampling:   # sampler kept
+        run_log.write_replay(it_dir, i, commands)
+    metrics = iteration_metrics(run, i, batch, losses, perf, held_out_metrics)
+    with runs.timed(metrics, "perf/checkpoint_s"):
+        if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
+            keep = checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations
+            checkpoints.save_resume_point(models.policy, models.tokenizer, run.optimizer, losses, update_args,
+                                          run.dir, i + 1, run.bad_steps, run.saver, keep, models.critic)
+            run.saved_at = i + 1
+    metrics["perf/iteration_s"] = time.perf_counter() - t0
+    return it_dir, metrics, samples
+
+
+def update_policy(run, rollouts, adv, update_args, perf):
+    """Stage 4 on the models in memory: the policy's steps (unless --critic-warmup holds it), the
+    critic's, and the sampling copies (FSDP's full copy, vLLM's engine) given the new weights."""
+    models = run.models
+    with runs.timed(perf, "perf/checkpoint_s"):
+        run.saver.wait()                              # a save in flight reads the weights it changes
+    with runs.timed(perf, "perf/update_s"):
+        losses = {} if update_args.critic_only else update.train_policy(
+            models.policy, run.optimizer, rollouts, adv["advantages"], update_args,
+            models.ref if update_args.ref_logprobs != "rollouts" else None)
+        if models.critic:
+            losses.update(update.train_critic(models.critic, rollouts, adv["returns"], update_args))
+        if models.sampler is not models.policy:   # FSDP: the full copy that samples follows
+            models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy), strict=False)
+    if models.engine is not None and not update_args.critic_only:   # vLLM: the new weights, in place
+        with runs.timed(perf, "perf/engine_sync_s"):
+            models.engine.load_weights(models.sampler)
+    return losses
+
+
+def write_stage_files(it_dir, batch, samples, adv, sample_args, score_args, advantage_args, models):
+    """Each stage's files of the iteration, by the stage's own writer; each file's made_from names the
+    one before it (grpo/provenance.py)."""
+    rollouts = batch["rollouts"]
+    files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
+    sample.write_outputs(it_dir, rollouts, samples, sample_args, provenance.fingerprint(models.sampler),
+                         models.tokenizer_fingerprint)
+    made_from = provenance.rewards_made_from(score_args.rollouts, samples)
+    score.write_rewards(score_args.out, batch["rewards"], rollouts["group_ids"], batch["components"], score_args,
+                        rollouts["completion_mask"].sum(-1), batch["skipped"], made_from)
+    made_from = provenance.advantages_made_from(score_args.out, made_from["rollouts"])
+    files.save_tensors(advantage_args.out, adv, files.ADVANTAGES[0], vars(advantage_args), made_from=made_from)
+
+
+def iteration_metrics(run, i, batch, losses, perf, held_out_metrics):
+    """metrics.json of iteration i (docs/runs-and-metrics.md), with the warnings they call for; a run
+    past --max-bad-steps skipped steps stops here, before its save."""
+    cfg, rollouts, rewards, skipped = run.cfg, batch["rollouts"], batch["rewards"], batch["skipped"]
+    completions = [s["completion"] for s in batch["samples"]]
+    metrics = {"iteration": i, **diagnostics.iteration_metrics(
+        rollouts, rewards, batch["components"], skipped, completions, cfg.group_size),
+        **diagnostics.update_metrics(losses), **perf,
+        "perf/tokens_per_s": rollouts["completion_mask"].sum().item() / perf["perf/sample_s"]}
+    if distributed.is_main() and i == 0 and cfg.algo == "grpo":
+        spread = diagnostics.reward_spread(rewards, cfg.group_size, skipped)
+        tqdm.write("\n".join(diagnostics.spread_report(spread, cfg.group_size, cfg.estimator)))
+    flags = diagnostics.collapse_flags(metrics, run.previous)
+    metrics.update(flags, **held_out_metrics)
+    if flags["diversity/collapse"]:
+        warn(diagnostics.collapse_warning(flags, i))
+    run.bad_steps += losses.get("skipped_steps", 0) + losses.get("critic_skipped_steps", 0)
+    metrics["diag/bad_steps_total"] = run.bad_steps
+    if run.bad_steps > cfg.max_bad_steps:
+        raise StageError(f"{run.bad_steps} optimizer steps in this run had a non-finite loss or gradient, more "
+                         f"than --max-bad-steps {cfg.max_bad_steps}; stopped, {os.path.join(run.dir, 'policy')} "
+                         f"holds the last good save ({run.saved_at} iterations)")
+    return metrics
 
 
 def sample_and_score(slot, i, cfg, it_dir, models, paths, records, reward_fns, perf, commands):
