@@ -37,8 +37,9 @@ import argparse
 
 import torch
 
-from grpo import files, outputs, provenance, settings, stage_inputs
+from grpo import settings
 from grpo.cli import ArgumentParser, StageError, run_cli
+from grpo.disk import files, outputs, provenance, stage_inputs
 from grpo.groups import group_mean_std, no_signal_groups
 from grpo.settings import at_least, between
 

@@ -34,7 +34,7 @@ Choices where the paper and docs/formats.md are silent:
 - completion_mask is true up to and including the first EOS (any of the tokenizer's and the
   model's EOS ids); it never looks at the pad id, which a model may sample as an ordinary token.
   Ids after the first EOS are the pad id; T is trimmed to the longest completion.
-- --engine vllm has vLLM draw the completions instead (grpo/vllm_engine.py); log π_old is then the
+- --engine vllm has vLLM draw the completions instead (grpo/models/vllm_engine.py); log π_old is then the
   policy's forward over them (modeling.rollout_logprobs, as update.py computes it) and the engine's
   own log-probs are sampler_logprobs, which update.py --rollout-is reweighs (docs/numerics.md).
 - All rows are sampled from one seeded generator in --micro-batch-size chunks: a sample is
@@ -49,11 +49,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import (distributed, fast_decode, files, loading, lora, modeling, outputs, prompting, provenance, settings,
-                  vllm_engine)
-from grpo.rollouts import concat_rollouts, sample_rows, stack_completions
-from grpo.settings import above, at_least, between
+from grpo import lora, settings
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
+from grpo.disk import files, outputs, provenance
+from grpo.loop.rollouts import concat_rollouts, sample_rows, stack_completions
+from grpo.models import distributed, fast_decode, loading, modeling, vllm_engine
+from grpo.rewards import prompting
+from grpo.settings import above, at_least, between
 
 
 # ----------------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     n = prompt_ids.shape[0]
     eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
     # Each distinct prompt once, its KV cache expanded to its rows (or every row's own prompt), with
-    # room for the completion: a step writes its keys and values in place (grpo/fast_decode.py).
+    # room for the completion: a step writes its keys and values in place (grpo/models/fast_decode.py).
     room = max_new_tokens - 1
     prefilled = share_prefix and modeling.prefill(model, prompt_ids, prompt_mask, room=room)
     out, cache, prompt_attention, position_ids = prefilled or modeling.prefill(
@@ -152,7 +154,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
             critic=None, engine=None):
     """Sample G completions for each record; return (rollouts.safetensors' tensors, samples.jsonl rows).
     log π_ref comes from `ref_model` and PPO's V_t from `critic`, when given. With a vLLM `engine`
-    (grpo/vllm_engine.py) the engine draws them and log π_old is the policy's forward pass."""
+    (grpo/models/vllm_engine.py) the engine draws them and log π_old is the policy's forward pass."""
     device = next(policy.parameters()).device
     max_len = prompting.prompt_room(policy, args.max_new_tokens)
     path, lines = where                                 # the records' file and lines, for messages
@@ -167,7 +169,7 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
-    if engine is not None:                            # vLLM draws them all (grpo/vllm_engine.py)
+    if engine is not None:                            # vLLM draws them all (grpo/models/vllm_engine.py)
         parts = [engine.sample(prompt_ids, prompt_mask, G, args, eos_ids, tokenizer.pad_token_id, generator)]
     else:                                             # per micro-batch: its completion columns
         parts = []
@@ -224,7 +226,7 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("pr
 def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None, tokenizer_fingerprint=None):
     """samples.jsonl, then rollouts.safetensors, each renamed into place when complete; the rollouts,
     which every later stage opens first, appear last. Their metadata's made_from names the policy that
-    sampled them, its tokenizer and their samples.jsonl rows (grpo/provenance.py)."""
+    sampled them, its tokenizer and their samples.jsonl rows (grpo/disk/provenance.py)."""
     files.make_dir(out_dir)
     files.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
     made_from = {"policy": policy_fingerprint, "tokenizer": tokenizer_fingerprint,
@@ -265,7 +267,7 @@ def build_parser():
     draws.add_argument("--engine", choices=["sampler", "vllm"], default="sampler",
                        help="what draws the tokens: the project's sampler (default) or vLLM (./setup.sh\n"
                             "--engine vllm installs it); under vLLM sampler_logprobs hold the engine's\n"
-                            "log-probs and old_logprobs the policy's forward pass (grpo/vllm_engine.py)")
+                            "log-probs and old_logprobs the policy's forward pass (grpo/models/vllm_engine.py)")
     draws.add_argument("--ignore-eos", action="store_true",
                        help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     mem = p.add_argument_group("memory and devices")

@@ -12,7 +12,7 @@ Example:
     python score.py --rollouts it0/rollouts.safetensors --samples it0/samples.jsonl \\
         --reward exact_answer my_rewards.py:brevity --reward-weights 1.0 0.1 --out it0/rewards.safetensors
 
-A --reward SPEC is a built-in rule reward (grpo/tasks.py, grpo/math_reward.py), `module:function`
+A --reward SPEC is a built-in rule reward (grpo/rewards/tasks.py, grpo/rewards/math_reward.py), `module:function`
 or `file.py:function` with TRL's signature f(prompts, completions, **fields) -> list[float | None]
 (fields: every other column of samples.jsonl as a list, and completion_ids), or a folder or Hub id
 holding a sequence-classification reward model with one output, which reads the prompt and the
@@ -33,8 +33,11 @@ import numbers
 
 import torch
 
-from grpo import distributed, files, outputs, provenance, reward_specs, settings
+from grpo import settings
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn
+from grpo.disk import files, outputs, provenance
+from grpo.models import distributed
+from grpo.rewards import reward_specs
 from grpo.settings import FINITE, at_least
 
 

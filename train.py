@@ -38,17 +38,20 @@ import advantage
 import sample
 import score
 import update
-from grpo import (checkpoints, diagnostics, distributed, evaluation, files, outputs, provenance, run_log, runs,
-                  settings, tasks)
+from grpo import settings
 from grpo.cli import StageError, run_cli, warn
-from grpo.rollouts import dapo_dynamic_sampling
+from grpo.disk import checkpoints, files, outputs, provenance, run_log
+from grpo.loop import diagnostics, evaluation, runs
+from grpo.loop.rollouts import dapo_dynamic_sampling
+from grpo.models import distributed
+from grpo.rewards import tasks
 
 # Where a run's default differs from the stage's own, and why.
 RUN_DEFAULTS = {
     "num_prompts": (4, "B per iteration; sample.py alone takes every record of its file"),
     "max_new_tokens": (24, "the default task's answers fit; sample.py's 128 would make sampling ~5× longer"),
     "temperature": (0.7, "the default task was tuned at τ 0.7: about 10% of samples right, so a third of "
-                         "the groups carry signal from the first iteration (grpo/tasks.py)"),
+                         "the groups carry signal from the first iteration (grpo/rewards/tasks.py)"),
     "lr": (1e-5, "update.py's 1e-6 is DeepSeekMath's, for 7B weights and many steps; the default job, 15 "
                  "steps of a 135M model, was tuned at 1e-5"),
     "estimator": (None, "unset: grpo, or gae with --algo ppo (the estimator follows --algo)"),
@@ -227,7 +230,7 @@ def update_policy(run, rollouts, adv, update_args, perf):
 
 def write_stage_files(it_dir, batch, samples, adv, sample_args, score_args, advantage_args, models):
     """Each stage's files of the iteration, by the stage's own writer; each file's made_from names the
-    one before it (grpo/provenance.py)."""
+    one before it (grpo/disk/provenance.py)."""
     rollouts = batch["rollouts"]
     files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
     sample.write_outputs(it_dir, rollouts, samples, sample_args, provenance.fingerprint(models.sampler),

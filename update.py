@@ -41,8 +41,8 @@ Choices where the paper and docs/formats.md are silent (docs/numerics.md says wh
   moves, then --lr-schedule; lr and --weight-decay are set at every step, whoever built the optimizer.
 - Dropout is off, so ρ = 1 exactly on the first, on-policy step; gradients are clipped to
   --max-grad-norm; a row with no completion token is an error.
-- --out DIR is replaced as a unit (grpo/outputs.py); the inputs must belong together
-  (grpo/provenance.py, --allow-mismatch).
+- --out DIR is replaced as a unit (grpo/disk/outputs.py); the inputs must belong together
+  (grpo/disk/provenance.py, --allow-mismatch).
 """
 
 import argparse
@@ -55,11 +55,14 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from grpo import (checkpoints, diagnostics, distributed, loading, lora, minibatches, modeling, optim, outputs,
-                  provenance, settings, stage_inputs)
+from grpo import lora, settings
 from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli, warn, warn_once
+from grpo.disk import checkpoints, outputs, provenance, stage_inputs
+from grpo.loop import diagnostics
+from grpo.models import distributed, loading, modeling
 from grpo.settings import above, above_or_inf, at_least, between
-from grpo.update_metrics import UpdateMetrics
+from grpo.training import minibatches, optim
+from grpo.training.update_metrics import UpdateMetrics
 
 
 # ----------------------------------------------------------------------------------------

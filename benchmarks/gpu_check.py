@@ -64,7 +64,7 @@ def stage_tests(selection, timeout):
 
 
 def default_job(iterations, flags, timeout):
-    from grpo import files
+    from grpo.disk import files
 
     with tempfile.TemporaryDirectory() as run_dir:
         code, seconds, out, err = child([sys.executable, "train.py", "--run-dir", run_dir, "--iterations",
@@ -86,7 +86,7 @@ def default_job(iterations, flags, timeout):
 
 def engine(selection, iterations, flags, timeout):
     """Part 4: tests/test_vllm.py and the default job under --engine vllm, where vLLM is installed."""
-    from grpo import vllm_engine
+    from grpo.models import vllm_engine
 
     if not vllm_engine.installed():
         print("vLLM is not installed here (./setup.sh --engine vllm): the engine was not checked")
@@ -115,7 +115,7 @@ def main(argv=None):
     p.add_argument("--part-timeout", type=int, default=300, help="seconds each part may take (default 300)")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
-    from grpo import builders
+    from grpo.models import builders
 
     iterations = args.iterations or (2 if args.small else 4)
     job_flags, table_flags = [], ["--floor-reps", "2", "--save-every", "2"]

@@ -59,8 +59,10 @@ import torch  # noqa: E402
 
 import sample  # noqa: E402
 import update  # noqa: E402
-from grpo import (builders, distributed, fast_decode, files, loading, modeling, optim, prompting, tasks,  # noqa: E402
-                  vllm_engine)
+from grpo.disk import files  # noqa: E402
+from grpo.models import builders, distributed, fast_decode, loading, modeling, vllm_engine  # noqa: E402
+from grpo.rewards import prompting, tasks  # noqa: E402
+from grpo.training import optim  # noqa: E402
 
 B, G, T, TAU, BETA = 4, 8, 24, 0.7, 0.01
 SCALING_G, SCALING_P = (4, 8, 16), (40, 200, 800)

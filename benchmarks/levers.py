@@ -31,7 +31,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
 import sample  # noqa: E402
-from grpo import builders, fast_decode, loading, modeling  # noqa: E402
+from grpo.models import modeling  # noqa: E402
+from grpo.models import builders, fast_decode, loading
 from iteration import B, G, T, TAU, floor_once, iteration_stages, prompt_batch  # noqa: E402
 
 

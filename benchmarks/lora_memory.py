@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from iteration import run_train  # noqa: E402
 
-from grpo import files  # noqa: E402
+from grpo.disk import files  # noqa: E402
 
 
 def folder_mb(path):

@@ -24,7 +24,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from grpo import builders, files, loading  # noqa: E402
+from grpo.models import loading  # noqa: E402
+from grpo.disk import files
+from grpo.models import builders
 
 
 def made_up_batch(model_dir, rows, tokens, out_dir):

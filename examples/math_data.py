@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo.math_reward import reference_answer  # noqa: E402
+from grpo.rewards.math_reward import reference_answer  # noqa: E402
 
 SYSTEM_PROMPT = ("Solve the problem step by step. Put your final answer, and nothing else, in "
                  "\\boxed{} at the end of your reply.")

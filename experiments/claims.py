@@ -808,7 +808,7 @@ class Run:
 
 def accuracy(rows, difficulty=None):
     """Exact-answer accuracy of held-out rows (optionally those of one difficulty)."""
-    from grpo.tasks import exact_answer
+    from grpo.rewards.tasks import exact_answer
 
     rows = [r for r in rows if difficulty is None or r.get("difficulty") == difficulty]
     return float(np.mean(exact_answer(None, [r["completion"] for r in rows], [r["answer"] for r in rows])))

@@ -17,7 +17,7 @@ import hashlib
 import json
 import random
 
-from grpo.tasks import exact_answer
+from grpo.rewards.tasks import exact_answer
 
 BONUS, CAP = 0.01, 0.4
 

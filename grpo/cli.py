@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from grpo import distributed
+from grpo.models import distributed
 
 
 class StageError(Exception):

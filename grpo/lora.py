@@ -19,8 +19,9 @@ import sys
 
 import torch
 
-from grpo import files, loading, outputs
 from grpo.cli import StageError, run_cli
+from grpo.disk import files, outputs
+from grpo.models import loading
 from grpo.settings import above, at_least, between
 
 # What the LoRA flags may be, in the RULES of every stage that takes them.
@@ -160,7 +161,7 @@ def dropout(model, on, seed=0):
 
 def merge(adapter, out, trust_remote_code=False):
     """Write the base with the adapters of `adapter` merged into its weights as a plain checkpoint."""
-    from grpo import checkpoints
+    from grpo.disk import checkpoints
 
     if not is_adapter(adapter):
         raise StageError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json)")

@@ -10,8 +10,8 @@ combinations of flags are checked in the stage's parse_args.
 import argparse
 import math
 
-from grpo import files
 from grpo.cli import StageError
+from grpo.disk import files
 
 
 class Range:

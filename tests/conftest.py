@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from grpo import builders  # noqa: E402
+from grpo.models import builders  # noqa: E402
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

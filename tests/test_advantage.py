@@ -9,7 +9,7 @@ from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 
 import advantage
-from grpo import files
+from grpo.disk import files
 
 # Three groups of G = 4: one with spread, one all-equal, one skewed.
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]

@@ -21,7 +21,8 @@ import torch
 from conftest import PROMPTS, ROOT, cli, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from grpo import builders, files, outputs
+from grpo.disk import files, outputs
+from grpo.models import builders
 
 TINY_RUN = ["--config", "tiny", "--iterations", 2, "--eval-every", 0, "--num-prompts", 2, "--group-size", 4,
             "--save-every", 1]

@@ -3,7 +3,9 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo import builders, evaluation, loading, prompting
+from grpo.loop import evaluation
+from grpo.models import builders, loading
+from grpo.rewards import prompting
 
 
 def test_default_model_converts_and_answers(tmp_path):

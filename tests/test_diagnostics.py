@@ -1,4 +1,4 @@
-"""Each diagnostic of grpo/diagnostics.py reacts to the failure it is for: hand-made batches for the
+"""Each diagnostic of grpo/loop/diagnostics.py reacts to the failure it is for: hand-made batches for the
 functions, and the command lines (train.py --check, a short run, update.py) for the wiring."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 from conftest import cli
 from safetensors.torch import load_file, save_file
 
-from grpo import diagnostics
+from grpo.loop import diagnostics
 
 REWARDS = os.path.join(os.path.dirname(__file__), "rewards_for_tests.py")
 

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT, cli, write_jsonl
 from safetensors.torch import load_file
 
-from grpo import distributed
+from grpo.models import distributed
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(2, 3), (10, 7), (9, 1), (1, 1), (4, 4)]]

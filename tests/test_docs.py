@@ -96,7 +96,7 @@ def top_level_names(path):
 
 def module_names(root):
     """The modules a dotted reference could name: the stage scripts and the grpo package's modules."""
-    paths = glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "grpo", "*.py"))
+    paths = glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "grpo", "**", "*.py"), recursive=True)
     return {os.path.splitext(os.path.basename(p))[0] for p in paths} - {"__init__"}
 
 
@@ -120,7 +120,7 @@ def code_ref_problems(text, page, root=ROOT):
             elif method and (names[outer] is None or method not in names[outer]):
                 problems.append(f"{where}:{number}: {ref}: {outer} in {path} has no method {method}")
         for span in INLINE_CODE.findall(line):
-            m = re.fullmatch(r"(?:grpo\.)?(\w+)\.(\w+)(?:\.\w+)?(?:\(\))?", span)
+            m = re.fullmatch(r"(?:grpo\.(?:\w+\.)?)?(\w+)\.(\w+)(?:\.\w+)?(?:\(\))?", span)
             if m and m.group(1) in modules and m.group(2) not in EXTENSIONS:
                 problems.append(f"{where}:{number}: `{span}`: write a code reference as path/file.py:name")
     return problems
@@ -129,11 +129,11 @@ def code_ref_problems(text, page, root=ROOT):
 def test_the_checkers_catch_what_they_are_for(tmp_path):
     page = str(tmp_path / "page.md")
     open(page, "w", encoding="utf-8").write("# A title\n\n## update.py's metrics.json\n")
-    assert code_ref_problems("`update.py:ppo_clip` and `grpo/checkpoints.py:BackgroundSaver.wait`",
+    assert code_ref_problems("`update.py:ppo_clip` and `grpo/disk/checkpoints.py:BackgroundSaver.wait`",
                              page) == []
     for bad in ("see `update.py:no_such_function`", "`no_such_file.py:main`",
-                "`grpo/checkpoints.py:BackgroundSaver.no_such_method`", "`update.py:ppo_clip.x`",
-                "`update.ppo_clip`", "`grpo.modeling.completion_logprobs`"):
+                "`grpo/disk/checkpoints.py:BackgroundSaver.no_such_method`", "`update.py:ppo_clip.x`",
+                "`update.ppo_clip`", "`grpo.models.modeling.completion_logprobs`"):
         assert len(code_ref_problems(bad, page)) == 1, bad
     assert code_ref_problems("`--reward path/file.py:function`, `train.py`, `metrics.json`", page) == []
     assert link_problems("[a](page.md) [b](#a-title) [c](page.md#updatepys-metricsjson) "

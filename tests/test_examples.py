@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from conftest import ROOT, write_jsonl
 
-from grpo.math_reward import math
+from grpo.rewards.math_reward import math
 
 GSM8K = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to "

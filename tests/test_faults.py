@@ -14,8 +14,9 @@ import torch
 from conftest import ROOT, cli
 from safetensors.torch import load_file, save_file
 
-from grpo import builders, checkpoints, files, loading
 from grpo.cli import StageError
+from grpo.disk import checkpoints, files
+from grpo.models import builders, loading
 from test_update import rollouts_of, run_update
 
 

@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import update
-from grpo import builders, checkpoints, files, loading, optim, outputs
 from grpo.cli import StageError
+from grpo.disk import checkpoints, files, outputs
+from grpo.models import builders, loading
+from grpo.training import optim
 
 
 def test_stage_file_round_trips_with_schema_and_args(tmp_path):

@@ -31,7 +31,9 @@ import sample
 import score
 import train
 import update
-from grpo import evaluation, loading, run_log, runs
+from grpo.disk import run_log
+from grpo.loop import evaluation, runs
+from grpo.models import loading
 
 STAGES = {"sample.py": (sample, ["--model", "m", "--prompts", "p"]),
           "score.py": (score, ["--rollouts", "r", "--samples", "s", "--reward", "char_class"]),
@@ -277,7 +279,7 @@ def test_the_default_tasks_held_out_questions_do_not_depend_on_the_seed():
     default job has always used), and no seed trains on them."""
     import random
 
-    from grpo import tasks
+    from grpo.rewards import tasks
 
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(0).shuffle(pairs)

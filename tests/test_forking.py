@@ -14,8 +14,8 @@ from conftest import ROOT
 from safetensors.torch import load_file, save_file
 
 import advantage
-from grpo import runs
 from grpo.cli import StageError
+from grpo.loop import runs
 
 CHOICES = next(a.choices for a in advantage.build_parser()._actions if a.dest == "estimator")
 GROUP_FREE = [e for e in CHOICES if e != "gae"]             # gae reads a critic's values: tests/test_ppo.py

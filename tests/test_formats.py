@@ -13,7 +13,8 @@ import sample
 import score
 import train
 import update
-from grpo import files, runs
+from grpo.disk import files
+from grpo.loop import runs
 
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
 FORMATS = open(os.path.join(ROOT, "docs", "formats.md"), encoding="utf-8").read()
@@ -64,10 +65,32 @@ def imported_modules(path):
 def test_layout_five_stages_on_top_and_a_package_that_imports_no_stage():
     assert top_level_python() == ["advantage.py", "sample.py", "score.py", "train.py", "update.py"]
     stages = {"sample", "score", "advantage", "update", "train"}
-    for path in glob.glob(os.path.join(ROOT, "grpo", "*.py")):
+    for path in glob.glob(os.path.join(ROOT, "grpo", "**", "*.py"), recursive=True):
         assert not imported_modules(path) & stages, path
     for script in ("sample.py", "score.py", "advantage.py", "update.py"):
         assert not imported_modules(os.path.join(ROOT, script)) & stages, script
+
+
+def test_the_packages_map_names_every_module_where_it_is():
+    """grpo/__init__.py's map: a folder line ("disk/  ...") and its modules indented under it; every
+    module and folder of grpo/ once, and nothing that is not there."""
+    mapped, folder = [], ""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "grpo", "__init__.py")).read()))
+    for line in "\n".join(doc.split("\n\n")[1:-1]).splitlines():          # between the intro and the shapes
+        m = re.match(r"^( *)(\w+)(/?)\s", line + " ")
+        if not m:
+            continue
+        if m.group(3):
+            folder = m.group(2) + "/"
+            mapped.append(folder)
+        else:
+            mapped.append((folder if len(m.group(1)) > 4 else "") + m.group(2))
+    present = [os.path.relpath(p, os.path.join(ROOT, "grpo"))[:-3]
+               for p in glob.glob(os.path.join(ROOT, "grpo", "**", "*.py"), recursive=True)
+               if not p.endswith("__init__.py")]
+    present += [d + "/" for d in os.listdir(os.path.join(ROOT, "grpo"))
+                if os.path.isfile(os.path.join(ROOT, "grpo", d, "__init__.py"))]
+    assert sorted(mapped) == sorted(present)
 
 
 def test_nothing_points_outside_the_repository():

@@ -12,7 +12,8 @@ import torch
 from conftest import ROOT, cli
 from safetensors.torch import load_file
 
-from grpo import builders, checkpoints
+from grpo.disk import checkpoints
+from grpo.models import builders
 
 MAIN, OLD = "1" * 40, "2" * 40                     # two commits of tiny-org/tiny-llama
 

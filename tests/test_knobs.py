@@ -14,7 +14,8 @@ from test_update import hand_batch, rollouts_of, run_update
 from test_variants import BETA, K3, hand_files  # noqa: F401  (a fixture)
 
 import update
-from grpo import files, optim
+from grpo.disk import files
+from grpo.training import optim
 
 
 def update_args(*flags):
@@ -109,7 +110,7 @@ def test_entropy_coef_subtracts_c_times_the_mean_entropy(models, hand_files, tmp
 
 
 def test_the_entropy_bonus_has_a_gradient_and_the_metric_has_none():
-    from grpo.modeling import logprobs_from_logits
+    from grpo.models.modeling import logprobs_from_logits
 
     logits = torch.randn(2, 3, 5, requires_grad=True)
     tokens = torch.zeros(2, 3, dtype=torch.long)

@@ -11,7 +11,9 @@ import torch
 from conftest import cli, replay_iteration
 from safetensors.torch import load_file
 
-from grpo import fast_decode, loading, lora, modeling, prompting
+from grpo import lora
+from grpo.models import fast_decode, loading, modeling
+from grpo.rewards import prompting
 
 # The tiny model learns from scratch, mostly in its (tied) embedding table: its adapters include the LM
 # head, which peft's all-linear leaves out. With all-linear it did not learn in 30 iterations (mean

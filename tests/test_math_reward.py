@@ -8,8 +8,8 @@ import torch
 from conftest import cli, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from grpo import math_reward
-from grpo.math_reward import math, model_answer, reference_answer
+from grpo.rewards import math_reward
+from grpo.rewards.math_reward import math, model_answer, reference_answer
 
 
 @pytest.mark.parametrize("text, answer", [

@@ -24,8 +24,11 @@ import torch
 from conftest import PROMPTS, assert_user_error, cli, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from grpo import builders, outputs, runs, tasks
 from grpo.cli import StageError
+from grpo.disk import outputs
+from grpo.loop import runs
+from grpo.models import builders
+from grpo.rewards import tasks
 
 TINY_RUN = ["--config", "tiny", "--iterations", 2, "--eval-every", 0, "--num-prompts", 2, "--group-size", 4]
 
@@ -216,7 +219,8 @@ def test_a_read_only_folder_is_one_line(models, prompts_file, tmp_path, monkeypa
 def test_a_full_disk_and_ctrl_c_are_one_line(models, prompts_file, tmp_path, monkeypatch):
     import safetensors
 
-    from grpo import files, prompting
+    from grpo.disk import files
+    from grpo.rewards import prompting
 
     def full(*args, **kwargs):
         raise safetensors.SafetensorError("Error while serializing: No space left on device (os error 28)")

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import advantage
 import update
-from grpo import builders, diagnostics, loading, modeling
+from grpo.loop import diagnostics
+from grpo.models import builders, loading, modeling
 
 TOKEN_COUNT = os.path.join(os.path.dirname(__file__), "rewards_for_tests.py") + ":token_count"
 

@@ -8,7 +8,10 @@ from safetensors.torch import load_file
 
 import sample
 import update
-from grpo import builders, files, loading, modeling, optim, prompting
+from grpo.disk import files
+from grpo.models import builders, loading, modeling
+from grpo.rewards import prompting
+from grpo.training import optim
 
 CLIP_GRADIENTS = optim.clip_gradients
 

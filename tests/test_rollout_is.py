@@ -12,7 +12,8 @@ from conftest import assert_user_error, cli, token_loss_terms
 from safetensors.torch import load_file
 
 import update
-from grpo import diagnostics, files
+from grpo.disk import files
+from grpo.loop import diagnostics
 
 # π_old(o_t) and q(o_t) of three tokens: w = π_old/q = 2, 0.5 and 10.
 OLD, Q = torch.tensor([[0.5, 0.2, 0.1]]), torch.tensor([[0.25, 0.4, 0.01]])

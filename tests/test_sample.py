@@ -8,7 +8,7 @@ from conftest import PROMPTS, assert_user_error, cli, write_jsonl
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from grpo import builders, loading
+from grpo.models import builders, loading
 
 
 def test_rollouts_contract(rollout_dir):
@@ -157,7 +157,8 @@ def test_tokenizer_without_pad_token_is_handled(tmp_path, prompts_file):
 
 
 def test_prompt_as_a_list_of_chat_turns_is_rendered_like_messages(models):
-    from grpo import loading, prompting
+    from grpo.models import loading
+    from grpo.rewards import prompting
 
     tok = loading.load_tokenizer(models["policy"])
     chat = [{"role": "user", "content": "9+1?"}]

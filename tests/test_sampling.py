@@ -12,7 +12,8 @@ from safetensors import safe_open
 from transformers import GenerationConfig
 
 import sample
-from grpo import fast_decode, loading, modeling, prompting
+from grpo.models import fast_decode, loading, modeling
+from grpo.rewards import prompting
 
 
 def probs(z):
@@ -186,10 +187,10 @@ def test_the_draw_is_torch_multinomials_token_for_token_and_leaves_the_generator
 
 @pytest.mark.parametrize("share_prefix", [True, False])
 def test_the_preallocated_kv_cache_draws_what_the_concatenating_one_draws(tiny, monkeypatch, share_prefix):
-    """The sampler's cache (grpo/fast_decode.py) holds its keys and values in buffers made once; the
+    """The sampler's cache (grpo/models/fast_decode.py) holds its keys and values in buffers made once; the
     completions, masks and log π_old are bit for bit those of transformers' DynamicLayer, which
     concatenates at every step, and every layer of the sampler's cache is a PreallocatedLayer."""
-    from grpo import fast_decode
+    from grpo.models import fast_decode
     made = []
     monkeypatch.setattr(fast_decode, "preallocate", lambda cache, room, real=fast_decode.preallocate:
                         made.append(real(cache, room)) or made[-1])
@@ -208,7 +209,7 @@ def test_a_preallocated_layer_grows_past_its_room_and_follows_a_reorder():
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    from grpo.fast_decode import PreallocatedLayer
+    from grpo.models.fast_decode import PreallocatedLayer
     g = torch.Generator().manual_seed(0)
     step = lambda n=4: (torch.randn(n, 2, 1, 8, generator=g), torch.randn(n, 2, 1, 8, generator=g))  # noqa: E731
     plain = DynamicLayer()
@@ -231,6 +232,6 @@ def test_a_preallocated_layer_grows_past_its_room_and_follows_a_reorder():
             fast.reorder_cache(order), plain.reorder_cache(order)
     assert fast.get_seq_length() == plain.get_seq_length() == 6               # 1 + 3 − 2 + 1 + 3
     assert fast.keys.shape[0] == 2
-    from grpo.fast_decode import preallocate
+    from grpo.models.fast_decode import preallocate
     with pytest.raises(RuntimeError, match="without gradients"):             # it writes in place
         preallocate(DynamicCache(), 2)

@@ -8,7 +8,9 @@ import torch
 from conftest import assert_user_error, cli, write_jsonl
 from safetensors.torch import load_file
 
-from grpo import builders, checkpoints, tasks
+from grpo.disk import checkpoints
+from grpo.models import builders
+from grpo.rewards import tasks
 
 
 @pytest.mark.parametrize("completion, answer, reward", [

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train
-from grpo import runs, settings
+from grpo import settings
+from grpo.loop import runs
 
 # A value other than the default for every stage flag train.py exposes. The two runs below take
 # them: GRPO's knobs in one run, PPO's in the other, with --ignore-eos (which would leave

@@ -133,7 +133,7 @@ def test_a_slow_background_save_holds_the_weights_it_was_given(tmp_path, monkeyp
     """The save after iteration 1 writes from the live weights in a thread; here it is held back a
     second before writing, while the next iteration samples and updates. The kept checkpoint must
     still be the policy after one iteration: the update waits for the save before changing them."""
-    from grpo import checkpoints
+    from grpo.disk import checkpoints
 
     flags = ["--config", "tiny", "--save-every", 1, "--eval-every", 0]
     assert cli("train.py", *flags, "--iterations", 1, "--run-dir", tmp_path / "one").code == 0
@@ -199,7 +199,8 @@ def test_config_file_starts_a_run_from_json(tiny_run, tmp_path):
 def test_held_out_answers_do_not_depend_on_the_micro_batch(models):
     from conftest import PROMPTS
 
-    from grpo import evaluation, loading
+    from grpo.loop import evaluation
+    from grpo.models import loading
 
     model, tok = loading.load_model(models["policy"], "cpu"), loading.load_tokenizer(models["policy"])
     records = PROMPTS * 2                                       # prompts of different lengths, 8 rows

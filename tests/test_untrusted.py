@@ -12,7 +12,8 @@ from conftest import ROOT, assert_user_error, cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo import loading, tasks
+from grpo.models import loading
+from grpo.rewards import tasks
 
 HOSTILE = [
     "__import__('os').system('touch {marker}')",
@@ -61,7 +62,7 @@ def test_number_parsing_is_bounded_on_number_like_noise(text):
 
 
 def project_sources():
-    return [p for folder in ("", "grpo", "benchmarks") for p in glob.glob(os.path.join(ROOT, folder, "*.py"))]
+    return [p for folder in ("", "grpo", "grpo/*", "benchmarks") for p in glob.glob(os.path.join(ROOT, folder, "*.py"))]
 
 
 def test_no_code_path_unpickles_or_evaluates():

@@ -11,7 +11,10 @@ from conftest import assert_user_error, cli, token_loss_terms
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from grpo import diagnostics, files, loading, modeling, optim
+from grpo.disk import files
+from grpo.loop import diagnostics
+from grpo.models import loading, modeling
+from grpo.training import optim
 import update
 
 LN2 = math.log(2.0)

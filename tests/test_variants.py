@@ -16,7 +16,7 @@ import torch
 from conftest import assert_user_error, cli
 from safetensors.torch import load_file, save_file
 
-from grpo import loading, modeling
+from grpo.models import loading, modeling
 
 LN2 = math.log(2.0)
 K1, K2, K3 = -LN2, LN2 ** 2 / 2, 2.0 - LN2 - 1.0     # x = log π_ref − log π_θ = ln 2

@@ -1,4 +1,4 @@
-"""--engine vllm (grpo/vllm_engine.py): the rollouts file of the project's sampler, drawn by vLLM; the
+"""--engine vllm (grpo/models/vllm_engine.py): the rollouts file of the project's sampler, drawn by vLLM; the
 engine's log-probs within a stated tolerance of the trainer's; a train.py run whose engine follows
 each update's weights (and a LoRA policy's merged adapters) and learns.
 
@@ -19,7 +19,7 @@ from conftest import ROOT, assert_user_error, cli
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from grpo import builders, loading, modeling, vllm_engine
+from grpo.models import builders, loading, modeling, vllm_engine
 
 # float32 on both sides, different kernels: the gap measured on this CPU is 4e-5 at most (tiny model
 # and SmolLM2-135M); a stale weight or another distribution is off by orders of magnitude more.

@@ -6,7 +6,9 @@ dynamic sampling, which keeps the groups whose rewards differ over several round
 
 import torch
 
-from grpo import groups, modeling, prompting
+from grpo import groups
+from grpo.models import modeling
+from grpo.rewards import prompting
 
 
 def pad_right(tensors, value):

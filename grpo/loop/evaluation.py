@@ -9,8 +9,10 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from grpo import distributed, files, loading, modeling, prompting
-from grpo.distributed import row_slices
+from grpo.disk import files
+from grpo.models import distributed, loading, modeling
+from grpo.models.distributed import row_slices
+from grpo.rewards import prompting
 
 
 class Progress(StoppingCriteria):

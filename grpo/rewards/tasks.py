@@ -13,7 +13,7 @@ regular expression and compared as canonical strings, never parsed as code or co
 Python int (whose size would be up to the model).
 
 Tasks (`make_task(name, seed)` returns train and held-out records and the rewards to use;
-grpo/runs.py picks the records each iteration of train.py sees):
+grpo/loop/runs.py picks the records each iteration of train.py sees):
 - arithmetic: "What is a plus b? Answer in one short sentence." as a chat, a and b two-digit
   numbers; reward exact_answer (1 when the last number of the reply is the sum). The default
   job's task. The base SmolLM2-135M-Instruct gets about 10% of samples right at τ = 0.7 within

@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from grpo import distributed, loading
 from grpo.cli import StageError
+from grpo.models import distributed, loading
 
 
 def installed():

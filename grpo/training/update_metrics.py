@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from grpo import diagnostics, distributed
+from grpo.loop import diagnostics
+from grpo.models import distributed
 
 # metrics.json's per-token means -> the term of update.py:micro_batch_loss they average (clipped_low,
 # clipped_high, dual_clipped: the tokens the policy loss's clip acted on; None where it has no such clip).

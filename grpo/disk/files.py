@@ -204,7 +204,7 @@ def replace_dir(src, dst):
     """Move folder `src` to `dst`. An existing `dst` is set aside under scratch_name(dst, "old"), named in
     a journal (swap_journal) before the first rename and removed after the old folder is; recover_dir()
     reads the journal to put it back if a kill lands between the two renames. `dst` is a real folder
-    (a symlink is resolved by the caller: grpo/outputs.py)."""
+    (a symlink is resolved by the caller: grpo/disk/outputs.py)."""
     dst = os.path.abspath(dst)
     if os.path.islink(dst):
         raise StageError(f"{dst}: is a symlink; the project writes through it to its folder, never replaces it")

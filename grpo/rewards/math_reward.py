@@ -14,7 +14,7 @@ The completion is text a model wrote, and sympy can be made to work for ever (9^
 code that math-verify's own timeout (SIGALRM, whole seconds) cannot interrupt. So:
 - answers longer than MAX_ANSWER_CHARS, nested deeper than MAX_BRACE_DEPTH, or holding a TeX
   definition command score 0 without being parsed (a 10^5-digit number, a 100 KB run of braces);
-- math-verify runs in a worker process (`python -m grpo.math_reward`) with its own timeouts of
+- math-verify runs in a worker process (`python -m grpo.rewards.math_reward`) with its own timeouts of
   one second, a memory limit and a CPU-time limit; a row that takes longer than ROW_SECONDS of
   wall time has its worker killed (restarted for the next row) and scores 0. That deadline is the
   one place where a reward can depend on the machine's load: an answer that sympy needs most of a
@@ -30,7 +30,7 @@ import select
 import subprocess
 import sys
 
-from grpo.tasks import canonical_number, completion_text, last_number
+from grpo.rewards.tasks import canonical_number, completion_text, last_number
 
 MAX_ANSWER_CHARS = 1000
 MAX_BRACE_DEPTH = 24
@@ -99,7 +99,7 @@ class Verifier:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
-        self.process = subprocess.Popen([sys.executable, "-m", "grpo.math_reward"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", "grpo.rewards.math_reward"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         if self.read_line(timeout=60) != "ready":
             self.stop()

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo import (builders, distributed, files, loading, lora, optim, outputs, prompting, provenance, reward_specs,
-                  settings, tasks, vllm_engine)
+from grpo import lora, settings
 from grpo.cli import ArgumentParser, StageError, warn
+from grpo.disk import files, outputs, provenance
+from grpo.models import builders, distributed, loading, vllm_engine
+from grpo.rewards import prompting, reward_specs, tasks
 from grpo.settings import at_least
+from grpo.training import optim
 
 
 # What each of the run's own settings may be (the stages' are checked by their own RULES).
@@ -147,8 +150,8 @@ class Models:
     ref: torch.nn.Module = None     # π_ref, frozen (LoRA: the policy, adapters off); None when no KL is used
     critic: optim.Critic = None     # PPO's value model and its AdamW (--algo ppo)
     critic_init: str = None         # the critic's folder before the first step (PPO)
-    engine: object = None           # --engine vllm: the run's one vLLM engine (grpo/vllm_engine.py)
-    tokenizer_fingerprint: str = None   # what the rollouts record of the tokenizer (grpo/provenance.py)
+    engine: object = None           # --engine vllm: the run's one vLLM engine (grpo/models/vllm_engine.py)
+    tokenizer_fingerprint: str = None   # what the rollouts record of the tokenizer (grpo/disk/provenance.py)
 
 
 def start(cfg, run_dir, done, records, held_out_lines=None):

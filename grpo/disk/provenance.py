@@ -15,8 +15,8 @@ import json
 import torch
 from safetensors import SafetensorError, safe_open
 
-from grpo import distributed
 from grpo.cli import StageError
+from grpo.models import distributed
 
 FINGERPRINT_VALUES = 64            # values of each parameter a fingerprint reads: any AdamW step moves them
 
@@ -120,7 +120,7 @@ def same_tokenizer(a, b):
 def check_tokenizers(policy_tokenizer, args):
     """sample.py, update.py: refuse a --ref-model or --critic whose tokenizer is not the policy's (its
     log-probs or values would be of other token ids), unless --allow-mismatch."""
-    from grpo import loading
+    from grpo.models import loading
 
     for path, role in ((args.ref_model, "reference"), (getattr(args, "critic", None), "critic")):
         if not path or args.allow_mismatch:

@@ -12,9 +12,9 @@ import weakref
 
 import torch
 
-from grpo import distributed
 from grpo.cli import StageError, warn_once
-from grpo.distributed import row_slices
+from grpo.models import distributed
+from grpo.models.distributed import row_slices
 
 
 @contextlib.contextmanager
@@ -288,7 +288,7 @@ def _preallocated(cache, room):
     without room."""
     if not room:
         return cache
-    from grpo import fast_decode                                        # imports transformers
+    from grpo.models import fast_decode                                 # imports transformers
     return fast_decode.preallocate(cache, room)
 
 

@@ -5,7 +5,7 @@
     critic_init/             PPO's critic before the first step
     checkpoints/iter_XXXX/   the policy that sampled iteration XXXX, as hard links into a save
 
-(iter_XXXX/metrics.json, replay.sh and tb/ are grpo/run_log.py's.)
+(iter_XXXX/metrics.json, replay.sh and tb/ are grpo/disk/run_log.py's.)
 
 A checkpoint folder is written beside its place and swapped in whole (files.replace_dir), so a
 kill leaves the old checkpoint or the new one. Under torchrun every rank calls save_policy (FSDP
@@ -21,9 +21,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from grpo import distributed, files, loading, outputs
 from grpo.cli import StageError
-from grpo.loading import quiet_transformers
+from grpo.disk import files, outputs
+from grpo.models import distributed, loading
+from grpo.models.loading import quiet_transformers
 
 
 def checkpoint_tensors(model):
@@ -42,7 +43,7 @@ def save_checkpoint(model, tokenizer, out_dir, extra_files=None, weights=None, c
     `weights` (default: the model's own tensors, see checkpoint_tensors) become model.safetensors;
     a LoRA policy is written as peft writes it, its adapters alone (adapter_config.json naming the
     base, adapter_model.safetensors). `extra_files` maps file names to callables that write them into
-    the temporary folder. With `command`, the folder carries that command's marker (grpo/outputs.py),
+    the temporary folder. With `command`, the folder carries that command's marker (grpo/disk/outputs.py),
     so that the command may replace it again. A full disk or a read-only folder is a one-line error
     and leaves `out_dir` as it was.
     """

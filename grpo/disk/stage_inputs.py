@@ -1,13 +1,13 @@
 """A stage's input files read together and checked against each other before anything is computed or
 written: update.py's rollouts and advantages (same rows, groups and widths; the reference it needs),
 and the rollouts advantage.py's GAE reads beside its rewards (values, masks, log-probs). The files'
-own schemas are grpo/files.py's; what they were made from, grpo/provenance.py's."""
+own schemas are grpo/disk/files.py's; what they were made from, grpo/disk/provenance.py's."""
 
 import torch
 
-from grpo import files, provenance
 from grpo.cli import StageError
-from grpo.files import ROLLOUTS, format_rows, load_tensors
+from grpo.disk import files, provenance
+from grpo.disk.files import ROLLOUTS, format_rows, load_tensors
 
 
 # GAE reads only these keys of the rollouts (values and the log-probs are checked where they are needed).

@@ -22,8 +22,8 @@ import shutil
 
 from safetensors import SafetensorError, safe_open
 
-from grpo import files
 from grpo.cli import StageError
+from grpo.disk import files
 
 MARKER = ".grpo-output.json"            # {"command": "update.py", "files": [names]}; files null: the whole folder
 LOCK = ".grpo-lock"                     # in a run folder: the PID of the train.py writing it, flock'ed

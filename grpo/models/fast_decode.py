@@ -13,7 +13,7 @@ import contextlib
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from grpo import distributed
+from grpo.models import distributed
 
 
 # MKL's sgemm runs the decode step's products, a few dozen rows against each weight, well below the

@@ -9,7 +9,7 @@ where a row's prompt and completion are strings, or for a chat prompt its messag
 other column of samples.jsonl (for example `answer`) and `completion_ids`, one value per row;
 None says that the reward does not apply to the row.
 
-A SPEC is a built-in reward (the rule rewards of grpo/tasks.py, and `math` of grpo/math_reward.py),
+A SPEC is a built-in reward (the rule rewards of grpo/rewards/tasks.py, and `math` of grpo/rewards/math_reward.py),
 `module:function` or `path/file.py:function` (the user's code, imported only when named), or a
 folder or Hub id holding a Hugging Face sequence-classification reward model with one output.
 """
@@ -22,8 +22,9 @@ import sys
 
 import torch
 
-from grpo import distributed, loading, math_reward, prompting, tasks
 from grpo.cli import StageError
+from grpo.models import distributed, loading
+from grpo.rewards import math_reward, prompting, tasks
 
 # Built-in rewards by the name --reward takes: the rule rewards of the built-in tasks, and `math`.
 BUILT_IN = {**tasks.REWARDS, "math": math_reward.math}

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from grpo import checkpoints, distributed, loading
 from grpo.cli import StageError, warn
+from grpo.disk import checkpoints
+from grpo.models import distributed, loading
 
 
 @dataclass

@@ -5,7 +5,7 @@ policy's steps and PPO's critic's use them alike.
 
 import torch
 
-from grpo import distributed
+from grpo.models import distributed
 
 
 def plan(num_rows, epochs, minibatch_size, seed):

@@ -7,7 +7,7 @@ import shlex
 
 from tqdm import tqdm
 
-from grpo import files
+from grpo.disk import files
 
 
 def write_replay(it_dir, i, commands):

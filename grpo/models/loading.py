@@ -6,8 +6,8 @@ import re
 
 import torch
 
-from grpo import files
 from grpo.cli import StageError
+from grpo.disk import files
 
 
 # A Hugging Face Hub id, org/name, optionally @revision (a branch, tag or commit).
@@ -96,7 +96,7 @@ def load_critic(path, device, trust_remote_code=False):
             and len(config.get("id2label") or {}) == 1):
         raise StageError(f"{path}: not a critic (a *ForTokenClassification checkpoint with one label; "
                          f"found {', '.join(architectures) or 'no architecture'}); train.py --algo ppo makes "
-                         f"one from the policy, as does grpo.builders.make_critic")
+                         f"one from the policy, as does grpo.models.builders.make_critic")
     return load_model(path, device, trust_remote_code, auto_class=AutoModelForTokenClassification)
 
 

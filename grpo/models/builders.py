@@ -11,15 +11,15 @@ import sys
 
 import torch
 
-from grpo import distributed
-from grpo.checkpoints import save_checkpoint
 from grpo.cli import StageError
+from grpo.disk.checkpoints import save_checkpoint
+from grpo.models import distributed
 
 
 def base_model_dir(name, run_dir, seed=0):
     """The folder of train.py's --model: SmolLM2-135M-Instruct for "", a tiny Llama built once in
     RUN/base_model for "tiny", else `name` itself, or a Hub id's folder in the Hugging Face cache."""
-    from grpo import loading
+    from grpo.models import loading
 
     if name != "tiny":
         return default_model_dir() if name == "" else loading.model_dir(name)
@@ -75,7 +75,7 @@ def make_critic(policy_dir, out_dir, trust_remote_code=False):
     weights are the policy's, so the critic reads the text as the policy does."""
     from transformers import AutoModelForTokenClassification
 
-    from grpo import loading
+    from grpo.models import loading
 
     critic = loading.load_model(policy_dir, "cpu", trust_remote_code, AutoModelForTokenClassification,
                                  num_labels=1)
