@@ -170,7 +170,9 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
     if engine is not None:                            # vLLM draws them all (grpo/models/vllm_engine.py)
-        parts = [engine.sample(prompt_ids, prompt_mask, G, args, eos_ids, tokenizer.pad_token_id, generator)]
+        parts = [engine.sample(prompt_ids, prompt_mask, G, eos_ids, tokenizer.pad_token_id, generator,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, min_p=args.min_p, ignore_eos=args.ignore_eos)]
     else:                                             # per micro-batch: its completion columns
         parts = []
         with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
@@ -241,41 +243,29 @@ def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None, toke
 def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     paths = p.add_argument_group("files")
-    paths.add_argument("--model", required=True,
-                       help="policy π_old (π_θ before this update): folder or Hub id")
+    paths.add_argument("--model", required=True, help="policy π_old (π_θ before this update): folder or Hub id")
     paths.add_argument("--prompts", required=True, help="JSON-lines prompts ('prompt' or 'messages' per record)")
     paths.add_argument("--out", required=True, help="output folder for rollouts.safetensors and samples.jsonl")
     paths.add_argument("--ref-model", default=None, help="π_ref: the frozen reference model's folder or Hub id")
-    paths.add_argument("--critic", default=None,
-                       help="PPO only: the critic V (a token-classification folder) whose V_t go into 'values'")
+    paths.add_argument("--critic", default=None, help="PPO only: the critic V, whose V_t go into 'values'")
     draws = p.add_argument_group("the algorithm: G completions of B prompts")
     draws.add_argument("--group-size", type=int, default=8, help="G: completions sampled per prompt (default 8)")
     draws.add_argument("--num-prompts", type=int, default=None, help="B: prompts (default: all from --start)")
     draws.add_argument("--start", type=int, default=0, help="index of the first record to use (default 0)")
     draws.add_argument("--max-new-tokens", type=int, default=128, help="L_max: completion length limit (128)")
     draws.add_argument("--temperature", type=float, default=1.0, help="τ: sampling and log-prob temperature (1)")
-    draws.add_argument("--top-k", type=int, default=0, metavar="K",
-                       help="draw from the K most likely tokens only, after τ (default 0: all)")
-    draws.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                       help="nucleus: draw from the most likely tokens whose probability reaches P, after τ and\n"
-                            "top-k (default 1.0: all)")
-    draws.add_argument("--min-p", type=float, default=0.0, metavar="M",
-                       help="leave out tokens below M × the most likely one's probability, after top-p\n"
-                            "(default 0: none); old_logprobs stay the model's at τ, whatever the truncation,\n"
-                            "and with one, sampler_logprobs hold the truncated distribution's")
+    draws.add_argument("--top-k", type=int, default=0, metavar="K", help="K: the K likeliest tokens, after τ (0: all)")
+    draws.add_argument("--top-p", type=float, default=1.0, metavar="P", help="P: nucleus, after top-k (1.0: all)")
+    draws.add_argument("--min-p", type=float, default=0.0, metavar="M", help="M: min-p, after top-p (0: none)")
     draws.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     draws.add_argument("--engine", choices=["sampler", "vllm"], default="sampler",
-                       help="what draws the tokens: the project's sampler (default) or vLLM (./setup.sh\n"
-                            "--engine vllm installs it); under vLLM sampler_logprobs hold the engine's\n"
-                            "log-probs and old_logprobs the policy's forward pass (grpo/models/vllm_engine.py)")
+                       help="what draws the tokens: the project's sampler (default) or vLLM")
     draws.add_argument("--ignore-eos", action="store_true",
                        help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     mem = p.add_argument_group("memory and devices")
     mem.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
     mem.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
-                     help="prefill each distinct prompt once and expand its KV cache to its G rows, in the\n"
-                          "sampler, --ref-model and --critic (default); --no-prefix-sharing: every row its\n"
-                          "own prompt (the reference path; the same completions and log-probs)")
+                     help="prefill each distinct prompt once for its G rows (default; the same numbers)")
     add_runtime_flags(mem)
     lora.add_flags(p.add_argument_group("LoRA"))
     provenance.add_flag(paths)
@@ -304,7 +294,8 @@ def main(argv=None):
     device = distributed.init_distributed(args.device)
     tokenizer = loading.load_tokenizer(args.model, args.trust_remote_code)
     policy = lora.load_policy(args.model, device, args)
-    provenance.check_tokenizers(tokenizer, args)
+    provenance.check_tokenizers(tokenizer, {"reference": args.ref_model, "critic": args.critic},
+                                args.allow_mismatch, args.trust_remote_code)
     ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     critic = loading.load_critic(args.critic, device, args.trust_remote_code) if args.critic else None
 

@@ -468,7 +468,8 @@ def main(argv=None):
     stage_inputs.check_token_ids(args.rollouts, rollouts, policy)
     if args.old_logprobs == "sampler":
         provenance.policy_of_rollouts(args.rollouts, policy, args.model, args.allow_mismatch)
-    provenance.check_tokenizers(tokenizer, args)
+    provenance.check_tokenizers(tokenizer, {"reference": args.ref_model, "critic": args.critic},
+                                args.allow_mismatch, args.trust_remote_code)
     ref_model = args.ref_model and lora.load_reference(args.ref_model, policy, device, args.trust_remote_code)
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
     optimizer = optim.adamw(policy, args.lr, args.weight_decay,

@@ -391,12 +391,11 @@ def engine_rates(model_dir, reps, device):
     t = time.perf_counter()
     engine = vllm_engine.start(policy, model_dir, T, B * G)
     start_s = time.perf_counter() - t
-    draws = argparse.Namespace(temperature=TAU, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=T, ignore_eos=True)
     sampling, reload = [], []
     for rep in range(reps + 1):                            # the first draw warms the engine up
         t = time.perf_counter()
-        engine.sample(prompt_ids, prompt_mask, G, draws, [], tokenizer.pad_token_id,
-                      torch.Generator(device=device).manual_seed(rep))
+        engine.sample(prompt_ids, prompt_mask, G, [], tokenizer.pad_token_id,
+                      torch.Generator(device=device).manual_seed(rep), max_new_tokens=T, temperature=TAU, ignore_eos=True)
         sampling.append(time.perf_counter() - t)
         t = time.perf_counter()
         engine.load_weights(policy)

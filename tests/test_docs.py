@@ -220,3 +220,115 @@ def test_the_readme_quotes_each_claims_table():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     problems = claims_quote_problems(readme, os.path.join(ROOT, "experiments", "results"))
     assert problems == [], "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------------------
+# Defaults stated in the prose: equal to the parsers'
+
+DEFAULT_STATED = [
+    re.compile(r"`--([a-z][a-z0-9-]*)(?: ([^`|]+))?`[^()\n`]{0,60}\(default(?:[: ]+([^),;]+))?[),;]"),
+    re.compile(r"`--([a-z][a-z0-9-]*)()`\s+\((\d[\d.e-]*)\)"),             # `--rollout-is-cap` (2)
+]
+
+
+def parser_defaults():
+    """{flag: [defaults]} over every stage's parser and train.py's run (whose defaults may differ)."""
+    import advantage
+    import sample
+    import score
+    import train
+    import update
+    from grpo.loop import runs
+
+    defaults = {}
+    parsers = [stage.build_parser() for stage in (sample, score, advantage, update)]
+    parsers.append(runs.parser("", list(train.CONFIGS)))
+    for parser in parsers:
+        for action in parser._actions:
+            for flag in action.option_strings:
+                defaults.setdefault(flag[2:], []).append(action.default)
+    for dest, (value, _) in train.RUN_DEFAULTS.items():
+        defaults.setdefault(dest.replace("_", "-"), []).append(value)
+    return defaults
+
+
+def same_value(stated, default):
+    try:
+        return float(stated) == float(default)
+    except (TypeError, ValueError):
+        return str(stated) == str(default)
+
+
+def stated_default_problems(text, where, defaults):
+    """One line per default the prose states for a flag that no parser has, or has otherwise. A
+    default the parser leaves None or empty (computed at run time) may be described in words."""
+    problems = []
+    for pattern in DEFAULT_STATED:
+        for m in pattern.finditer(text):
+            flag, choice, value = m.group(1), m.group(2) or None, m.group(3)
+            stated = (choice or value or "").strip().split()[0].strip("`")
+            if flag not in defaults:
+                problems.append(f"{where}: --{flag}: no parser has this flag")
+            elif not any(d is None or d == "" or same_value(stated, d) for d in defaults[flag]):
+                problems.append(f"{where}: --{flag}: the prose says default {stated}, the parsers "
+                                f"{sorted(map(str, defaults[flag]))}")
+    return problems
+
+
+def test_every_default_the_prose_states_is_the_parsers():
+    """docs/formats.md's tables are generated from the parsers (tests/flag_tables.py); elsewhere a
+    default written beside its flag must be a parser's."""
+    defaults, problems = parser_defaults(), []
+    for path in markdown_files():
+        if not path.endswith("formats.md"):
+            problems += stated_default_problems(open(path, encoding="utf-8").read(), os.path.relpath(path, ROOT),
+                                                defaults)
+    assert problems == [], "\n".join(problems)
+    planted = stated_default_problems("`--beta` (default 0.04) and `--loss-agg token` (default) and "
+                                      "`--rollout-is-cap` (3) and `--no-such-flag` (default 1)", "page", defaults)
+    assert len(planted) == 4, planted
+
+
+# ----------------------------------------------------------------------------------------
+# The README's symbol table: each row's code computes its symbol
+
+def definition_source(path, name):
+    """The source of `name` (a def, a class, an assignment, or Class.method) at the top level of path."""
+    src = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    outer, _, method = name.partition(".")
+    for node in ast.parse(src).body:
+        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)] + [getattr(node, "name", None)]
+        if outer in names:
+            body = [n for n in getattr(node, "body", []) if getattr(n, "name", None) == method] if method else [node]
+            return ast.get_source_segment(src, body[0]) if body else ""
+    return ""
+
+
+def symbol_row_problems(row):
+    """A row of the symbol table whose functions do not hold what it names: every marker of its code
+    cell (a backticked span that is no reference: `beta`), or, without markers, one of its symbols or
+    the dest of a flag it names (--group-size: group_size)."""
+    symbol, meaning, code = [c.strip() for c in row.strip().strip("|").split(" | ")]
+    refs = CODE_REF.findall(code)
+    sources = [definition_source(path, name) for path, name in refs]
+    markers = [m for m in INLINE_CODE.findall(code) if not CODE_REF.fullmatch(m) and not m.startswith("--")]
+    if markers:
+        missing = [m for m in markers if not any(m in s for s in sources)]
+        return [f"{symbol}: {', '.join(missing)} not in {[n for _, n in refs]}"] if missing else []
+    flags = [f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", row)]
+    candidates = flags + [c.strip().strip("`") for c in re.split(r"[,/]", symbol) if c.strip()]
+    if not any(c in s for c in candidates for s in sources):
+        return [f"{symbol}: none of {candidates} in {[n for _, n in refs]}"]
+    return []
+
+
+def test_each_symbol_rows_code_computes_its_symbol():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table = readme.split("## Where each symbol of the paper lives")[1].split("\n\n")[2]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    assert len(rows) > 25
+    problems = [p for row in rows for p in symbol_row_problems(row)]
+    assert problems == [], "\n".join(problems)
+    planted = ["| β | KL weight (`--beta`) | `update.py:aggregate` |",
+               "| ε | clip range | `update.py:clipped_surrogate` (`clip.dual`) |"]
+    assert all(symbol_row_problems(row) for row in planted)

@@ -2,13 +2,17 @@
 (also after SIGKILL), and an iteration replays stage by stage from its files."""
 
 import json
+import math
 import os
+import shutil
+import sys
 import time
 
 import pytest
 import torch
-from conftest import assert_user_error, cli, kill_then_resume, replay_iteration
-from safetensors.torch import load_file
+from conftest import ROOT, assert_user_error, cli, kill_then_resume, replay_iteration
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +283,28 @@ def test_trl_shaped_rewards_on_chat_prompts_in_a_run(tmp_path):
             "tests.rewards_for_tests:format_reward", "--reward-weights", 1, 0.5)
     assert r.code == 0, r.err
     assert "skipped" not in load_file(tmp_path / "both" / "iter_0000" / "rewards.safetensors")
+
+
+def test_compare_runs_sees_a_changed_number_and_not_a_timing(tiny_run, tmp_path):
+    """tests/compare_runs.py, the check that a refactoring changed no number: a copy of a run is the
+    same; one tensor value moved by one ulp and one metric changed are differences; a timing is not."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import compare_runs
+
+    run_dir, _ = tiny_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    assert compare_runs.differences(run_dir, copy) == []
+    metrics = json.loads((copy / "iter_0003" / "metrics.json").read_text())
+    metrics["perf/iteration_s"] += 1.0
+    (copy / "iter_0003" / "metrics.json").write_text(json.dumps(metrics))
+    assert compare_runs.differences(run_dir, copy) == []
+    metrics["charts/reward_mean"] += 1e-9
+    (copy / "iter_0003" / "metrics.json").write_text(json.dumps(metrics))
+    path = copy / "iter_0004" / "advantages.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["advantages"][0] = torch.nextafter(tensors["advantages"][0], torch.tensor(math.inf))
+    save_file(tensors, str(path), metadata=meta)
+    assert sorted(compare_runs.differences(run_dir, copy)) == [
+        "iter_0003/metrics.json: differs ['charts/reward_mean']", "iter_0004/advantages.safetensors: tensor advantages differs"]

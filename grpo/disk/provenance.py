@@ -117,15 +117,16 @@ def same_tokenizer(a, b):
     return a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
 
 
-def check_tokenizers(policy_tokenizer, args):
-    """sample.py, update.py: refuse a --ref-model or --critic whose tokenizer is not the policy's (its
-    log-probs or values would be of other token ids), unless --allow-mismatch."""
+def check_tokenizers(policy_tokenizer, others, allow, trust_remote_code=False):
+    """sample.py, update.py: refuse another model ({role: folder or None}: the reference, the critic)
+    whose tokenizer is not the policy's (its log-probs or values would be of other token ids), unless
+    `allow` (--allow-mismatch)."""
     from grpo.models import loading
 
-    for path, role in ((args.ref_model, "reference"), (getattr(args, "critic", None), "critic")):
-        if not path or args.allow_mismatch:
+    for role, path in others.items():
+        if not path or allow:
             continue
-        other = loading.load_tokenizer(path, args.trust_remote_code)
+        other = loading.load_tokenizer(path, trust_remote_code)
         if not same_tokenizer(policy_tokenizer, other):
             raise StageError(f"{path}: the {role}'s tokenizer is not the policy's (vocabulary of {len(other)} "
                              f"tokens, the policy's {len(policy_tokenizer)}, or other special tokens); its "

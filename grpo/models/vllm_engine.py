@@ -82,7 +82,8 @@ class Engine:
     def __init__(self, llm):
         self.llm = llm
 
-    def sample(self, prompt_ids, prompt_mask, group_size, args, eos_ids, pad_id, generator):
+    def sample(self, prompt_ids, prompt_mask, group_size, eos_ids, pad_id, generator, *, max_new_tokens, temperature,
+               top_k=0, top_p=1.0, min_p=0.0, ignore_eos=False):
         """G completions for each group of `group_size` identical rows of prompt_ids/prompt_mask [N, P]
         (left-padded), as sample.sample_completions returns them: completion_ids [N, T], completion_mask
         [N, T], truncated [N], and sampler_logprobs [N, T] (the engine's log q of each drawn token). Each
@@ -93,9 +94,9 @@ class Engine:
         seeds = torch.randint(2**62, (len(firsts),), generator=generator, device=generator.device).tolist()
         requests = [{"prompt_token_ids": prompt_ids[r][prompt_mask[r]].tolist()} for r in firsts]
         params = [vllm.SamplingParams(
-            n=group_size, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-            max_tokens=args.max_new_tokens, seed=seed, logprobs=0, stop_token_ids=list(eos_ids),
-            ignore_eos=args.ignore_eos, detokenize=False) for seed in seeds]
+            n=group_size, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=max_new_tokens,
+            seed=seed, logprobs=0, stop_token_ids=list(eos_ids), ignore_eos=ignore_eos, detokenize=False)
+            for seed in seeds]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         drawn = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]   # row order
         T = max(len(c.token_ids) for c in drawn)
