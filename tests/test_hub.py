@@ -88,7 +88,7 @@ def test_train_runs_from_a_hub_id(hub, tmp_path):
 def test_hub_id_errors_are_one_line(hub):
     """A pickle-only repo, a repo not in the cache, a revision not in it: each a StageError naming it
     (the stages print it as one line; here in one process, to pay for the imports once)."""
-    script = ("from grpo import loading\nfrom grpo.cli import StageError\n"
+    script = ("from grpo.models import loading\nfrom grpo.cli import StageError\n"
               "for spec in ['tiny-org/pickle-only', 'tiny-org/not-cached', 'tiny-org/tiny-llama@v9']:\n"
               "    try:\n        loading.load_model(spec, 'cpu')\n        print('loaded', spec)\n"
               "    except StageError as e:\n        print(e)\n")
