@@ -183,21 +183,21 @@ def iteration(run, i, resumed_here):
     else:
         batch, sample_args, score_args = sample_round(i)
     rollouts, rewards, skipped = batch["rollouts"], batch["rewards"], batch["skipped"]
+    lengths = rollouts["completion_mask"].sum(-1)                                       # [N]
     # Stage 3: group-relative advantages.
     advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, paths, commands)
-    adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args,
-                                       rollouts["completion_mask"].sum(-1), rollouts, skipped)
+    adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths, rollouts, skipped)
     samples = runs.with_outputs(batch["samples"], rewards, batch["components"], skipped, adv["advantages"],
                                 rollouts["completion_mask"])
     with runs.timed(perf, "perf/io_s"):
         if main:
-            write_stage_files(it_dir, batch, samples, adv, sample_args, score_args, advantage_args, models)
+            write_stage_files(it_dir, batch, lengths, samples, adv, sample_args, score_args, advantage_args, models)
     # Stage 4: the clipped policy update.
     update_args = stage_args("update.py", cfg, it_dir, i, i, paths, commands)
     losses = update_policy(run, rollouts, adv, update_args, perf)
     if main and policy_path != os.path.join(run.dir, "policy") and not cfg.dynamic_sampling:   # sampler kept
         run_log.write_replay(it_dir, i, commands)
-    metrics = iteration_metrics(run, i, batch, losses, perf, held_out_metrics)
+    metrics = iteration_metrics(run, i, batch, lengths, losses, perf, held_out_metrics)
     with runs.timed(metrics, "perf/checkpoint_s"):
         if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
             keep = checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations
@@ -228,7 +228,7 @@ def update_policy(run, rollouts, adv, update_args, perf):
     return losses
 
 
-def write_stage_files(it_dir, batch, samples, adv, sample_args, score_args, advantage_args, models):
+def write_stage_files(it_dir, batch, lengths, samples, adv, sample_args, score_args, advantage_args, models):
     """Each stage's files of the iteration, by the stage's own writer; each file's made_from names the
     one before it (grpo/disk/provenance.py)."""
     rollouts = batch["rollouts"]
@@ -237,12 +237,12 @@ def write_stage_files(it_dir, batch, samples, adv, sample_args, score_args, adva
                          models.tokenizer_fingerprint)
     made_from = provenance.rewards_made_from(score_args.rollouts, samples)
     score.write_rewards(score_args.out, batch["rewards"], rollouts["group_ids"], batch["components"], score_args,
-                        rollouts["completion_mask"].sum(-1), batch["skipped"], made_from)
+                        lengths, batch["skipped"], made_from)
     made_from = provenance.advantages_made_from(score_args.out, made_from["rollouts"])
     files.save_tensors(advantage_args.out, adv, files.ADVANTAGES[0], vars(advantage_args), made_from=made_from)
 
 
-def iteration_metrics(run, i, batch, losses, perf, held_out_metrics):
+def iteration_metrics(run, i, batch, lengths, losses, perf, held_out_metrics):
     """metrics.json of iteration i (docs/runs-and-metrics.md), with the warnings they call for; a run
     past --max-bad-steps skipped steps stops here, before its save."""
     cfg, rollouts, rewards, skipped = run.cfg, batch["rollouts"], batch["rewards"], batch["skipped"]
@@ -250,7 +250,7 @@ def iteration_metrics(run, i, batch, losses, perf, held_out_metrics):
     metrics = {"iteration": i, **diagnostics.iteration_metrics(
         rollouts, rewards, batch["components"], skipped, completions, cfg.group_size),
         **diagnostics.update_metrics(losses), **perf,
-        "perf/tokens_per_s": rollouts["completion_mask"].sum().item() / perf["perf/sample_s"]}
+        "perf/tokens_per_s": lengths.sum().item() / perf["perf/sample_s"]}
     if distributed.is_main() and i == 0 and cfg.algo == "grpo":
         spread = diagnostics.reward_spread(rewards, cfg.group_size, skipped)
         tqdm.write("\n".join(diagnostics.spread_report(spread, cfg.group_size, cfg.estimator)))
