@@ -223,12 +223,18 @@ def policy_step(policy, optimizer, ref_model, rollouts, rows, args, log):
     grad_norm = optim.clip_gradients(policy, args.max_grad_norm)                # the norm before clipping
     if not log.end_minibatch(grad_norm):
         return False
-    lr = optim.scheduled_lr(optim.adamw_steps(optimizer), args.lr, args.warmup_steps, args.lr_schedule,
-                            args.total_steps)
-    optim.set_lr(optimizer, lr, args.weight_decay)
+    lr = set_lr(optimizer, args.lr, args)
     optimizer.step()
     log.step(num_tokens, lr)
     return True
+
+
+def set_lr(optimizer, lr, args):
+    """The learning rate of the optimizer's next step, from `lr` by the schedule at its step count
+    (optim.scheduled_lr), with --weight-decay; returns it."""
+    lr = optim.scheduled_lr(optim.adamw_steps(optimizer), lr, args.warmup_steps, args.lr_schedule, args.total_steps)
+    optim.set_lr(optimizer, lr, args.weight_decay)
+    return lr
 
 
 def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
@@ -298,9 +304,7 @@ def critic_step(critic, rollouts, rows, args):
     sums = distributed.all_reduce(sums, "sum")
     grad_norm = optim.clip_gradients(critic.model, args.max_grad_norm)
     if math.isfinite(sums["value_loss"]) and math.isfinite(grad_norm):
-        lr = optim.scheduled_lr(optim.adamw_steps(critic.optimizer), args.critic_lr, args.warmup_steps,
-                                args.lr_schedule, args.total_steps)       # the policy's schedule, its own steps
-        optim.set_lr(critic.optimizer, lr, args.weight_decay)
+        set_lr(critic.optimizer, args.critic_lr, args)      # the policy's schedule, by the critic's own steps
         critic.optimizer.step()
     return {"value_loss": sums["value_loss"], "value_grad_norm": grad_norm,
             "value_clip_frac": sums["value_clipped"] / num_tokens, "value_mean": sums["value_sum"] / num_tokens}
