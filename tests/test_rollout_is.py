@@ -46,8 +46,39 @@ def test_the_mismatch_metrics_against_a_hand_computation():
     r = [2.0, 0.5, 10.0]
     assert m["rollout_is_diff_mean"] == pytest.approx(sum(abs(math.log(x)) for x in r) / 3)
     assert m["rollout_is_diff_max"] == pytest.approx(math.log(10.0))
-    assert m["rollout_is_kl"] == pytest.approx(sum(x - 1 - math.log(x) for x in r) / 3)
+    assert m["rollout_is_kl"] == pytest.approx(-sum(math.log(x) for x in r) / 3)
     assert m["rollout_is_beyond_cap"] == pytest.approx(1 / 3)
+
+
+# A vocabulary of 4: π_old, and two distributions q that drew the tokens. Truncated: top-2 renormalised,
+# which kept Z = 0.7 of the mass, so r = π_old/q = 0.7 on every kept token and E_q[r] = Z, not 1. Full:
+# uniform over the four, where E_q[r] = Σ π_old = 1.
+PI_OLD = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+Q_TOP2 = torch.tensor([0.4, 0.3, 0.0, 0.0], dtype=torch.float64) / 0.7
+Q_FULL = torch.full((4,), 0.25, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("q, tokens, k3_agrees", [
+    (Q_TOP2, [0, 0, 0, 0, 1, 1, 1], False),      # frequencies 4/7 and 3/7: q's own
+    (Q_FULL, [0, 1, 2, 3], True),                # each token once: q's own
+])
+def test_the_kl_estimate_is_kl_q_to_pi_old_under_truncation_too(q, tokens, k3_agrees):
+    """Tokens whose empirical frequencies are q's make the sample mean an expectation under q, so the
+    logged estimate must equal KL(q‖π_old) = Σ_v q_v log(q_v/π_old,v): −log Z = log(1/0.7) for top-2.
+    k3's mean is E_q[r] − 1 + KL, right only where E_q[r] = 1 (the full q), Z − 1 − log Z = 0.057 for
+    top-2 against 0.357."""
+    kept = q > 0
+    kl = (q[kept] * (q[kept] / PI_OLD[kept]).log()).sum().item()
+    if not k3_agrees:
+        assert kl == pytest.approx(math.log(1 / 0.7))
+    ids = torch.tensor([tokens])
+    rollouts = {"old_logprobs": PI_OLD.log()[ids].float(), "sampler_logprobs": q.log()[ids].float(),
+                "completion_mask": torch.ones_like(ids, dtype=torch.bool)}                    # [1, T]
+    m = diagnostics.rollout_mismatch(rollouts, 2.0)
+    assert m["rollout_is_kl"] == pytest.approx(kl, rel=1e-6)
+    r = (PI_OLD[ids] / q[ids]).flatten()                                                      # [T]
+    k3 = (r - 1 - r.log()).mean().item()                                                      # the old formula
+    assert (k3 == pytest.approx(kl, rel=1e-6)) == k3_agrees, (k3, kl)
 
 
 def advantages_for(roll, path, advantages):

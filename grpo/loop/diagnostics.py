@@ -187,13 +187,18 @@ def logprob_mismatch(logp, old_logp, mask):
 def rollout_mismatch(rollouts, cap):
     """How far the distribution the sampler drew from, q (sampler_logprobs), is from the trainer's
     π_old (old_logprobs), over the completion tokens, before any step: mean and max |log π_old −
-    log q|, the k3 estimate of KL(q‖π_old) (r − 1 − log r with r = π_old/q, whose mean under q it
-    is), and the share of tokens whose weight r lies beyond the cap C."""
+    log q|, an estimate of KL(q‖π_old), and the share of tokens whose weight r = π_old/q lies beyond
+    the cap C.
+
+    The KL is the mean of log q − log π_old = −log r over the tokens q drew, unbiased whatever E_q[r]
+    is. k3 (r − 1 − log r) is not: its mean under q is E_q[r] − 1 + KL, and E_q[r] = 1 only where q
+    covers π_old's support. Under top-k/top-p/min-p q = π_old/Z on the kept tokens, so E_q[r] = Z (the
+    mass kept) and k3 gives Z − 1 − log Z where the KL is −log Z (tests/test_rollout_is.py)."""
     mask = rollouts["completion_mask"]
     x = (rollouts["old_logprobs"] - rollouts["sampler_logprobs"])[mask].double()   # log r, [tokens]
     r = x.clamp(max=20.0).exp()
     return {"rollout_is_diff_mean": x.abs().mean().item(), "rollout_is_diff_max": x.abs().max().item(),
-            "rollout_is_kl": (r - 1 - x).mean().item(), "rollout_is_beyond_cap": (r > cap).double().mean().item()}
+            "rollout_is_kl": (-x).mean().item(), "rollout_is_beyond_cap": (r > cap).double().mean().item()}
 
 
 def mismatch_warning(max_diff, mean_diff):
