@@ -32,7 +32,8 @@ Choices where the paper and docs/formats.md are silent (docs/numerics.md says wh
   shapes, without gradients (as TRL does), so at θ = θ_ref the two are equal to the bit and a batch
   with no signal moves nothing; the rollouts' ref_logprobs differ by ~1e-5 (--ref-logprobs rollouts).
 - x = log π_ref − log π_θ is clamped to ±20 inside k3 (e^x overflows float32 at 88); β = 0 leaves the
-  penalty out of ℓ_t altogether.
+  penalty out of ℓ_t altogether. The sequence weight of --rollout-is-level sequence sums its log in
+  float64 and bounds it at 700 (e^x overflows float64 at 709), so its cap never meets inf.
 - μ = --epochs seeded shuffles cut into minibatches of --minibatch-size, one AdamW step each; each
   minibatch runs in micro-batches whose losses carry its normaliser, so the gradient does not depend
   on the split (nor, under torchrun, on the ranks). Each distinct prompt of a micro-batch runs once
@@ -153,17 +154,25 @@ def token_loss(pg_loss, logp, ref_logp, *, beta, kl_estimator="k3", entropy=None
     return loss, kl, penalty
 
 
-def rollout_is_weights(old_logp, sampler_logp, mode, cap):
-    """The importance weight of each token between the trainer's π_old and the distribution q it was
-    drawn from (the sampler's after top-k/top-p/min-p, or another engine's), [n, T]:
+def rollout_is_weights(old_logp, sampler_logp, mode, cap, level="token", mask=None):
+    """The importance weight between the trainer's π_old and the distribution q the tokens were drawn
+    from (the sampler's after top-k/top-p/min-p, or another engine's), [n, T]:
 
-        w_t = π_old(o_t) / q(o_t) = exp(log π_old(o_t) − log q(o_t))
-        tis:  min(w_t, C)                      truncated importance sampling (Yao et al. 2025)
-        mis:  w_t where w_t ≤ C, else 0        masked: a token beyond the cap leaves the loss
+        w_t = π_old(o_t) / q(o_t) = exp(log π_old(o_t) − log q(o_t))          --rollout-is-level token
+        w_i = Π_t w_t = exp(Σ_t (log π_old(o_t) − log q(o_t)))               sequence: one per completion
+        tis:  min(w, C)                        truncated importance sampling (Yao et al. 2025)
+        mis:  w where w ≤ C, else 0            masked: a token (a completion) beyond the cap leaves the loss
 
-    with C = --rollout-is-cap. Without gradients: π_old and q are fixed before the update."""
-    w = torch.exp(old_logp - sampler_logp)                                     # [n, T]
-    return w.clamp(max=cap) if mode == "tis" else torch.where(w <= cap, w, 0.0)
+    with C = --rollout-is-cap; w_i (TRL's and verl's) sums over the tokens of `mask` [n, T] (default:
+    all) and is repeated along T. Without gradients: π_old and q are fixed before the update."""
+    if level == "token":
+        w = torch.exp(old_logp - sampler_logp)                                 # [n, T]
+    else:   # summed in float64, the exponent kept below exp's overflow (709), so no inf can meet a 0
+        x = old_logp.double() - sampler_logp.double()                          # log w_t [n, T]
+        x = x if mask is None else torch.where(mask, x, 0.0)
+        w = torch.exp(x.sum(-1, keepdim=True).clamp(max=700.0)).expand_as(x)   # w_i [n, 1] → [n, T]
+    w = w.clamp(max=cap) if mode == "tis" else torch.where(w <= cap, w, 0.0)
+    return w.to(old_logp.dtype)
 
 
 def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
@@ -195,7 +204,8 @@ def train_policy(policy, optimizer, rollouts, advantages, args, ref_model=None):
     rollouts' ref_logprobs."""
     plan = minibatches.plan(len(rollouts["group_ids"]), args.epochs, args.minibatch_size, args.seed)
     rollouts = training_rows(policy, rollouts, advantages, args, plan[0])
-    mismatch = diagnostics.rollout_mismatch(rollouts, args.rollout_is_cap) if "sampler_logprobs" in rollouts else {}
+    mismatch = (diagnostics.rollout_mismatch(rollouts, args.rollout_is_cap, args.rollout_is_level)
+                if "sampler_logprobs" in rollouts else {})
     log = UpdateMetrics(Clip(args.clip_eps, args.clip_eps_high), ref_model is not None or "ref_logprobs" in rollouts)
     skipped = 0
     with (modeling.gradient_checkpointing([policy], args.gradient_checkpointing),
@@ -325,7 +335,8 @@ def training_rows(policy, rollouts, advantages, args, first_epoch):
     """The rollouts the update trains on, with their advantages and loss_mask. With --old-logprobs
     recompute, log π_old comes from the policy as it is now, in the passes of the first epoch
     (`first_epoch`: its minibatches' rows), every rank's, so that the first step's ratio is exactly 1.
-    With --rollout-is, each token's importance weight between that π_old and the sampler's q."""
+    With --rollout-is, each token's importance weight between that π_old and the sampler's q (its
+    completion's, --rollout-is-level sequence)."""
     rollouts = {**rollouts, "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated), "advantages": advantages}
     if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
         passes = [idx for rows in first_epoch for idx in distributed.every_rank_passes(rows, args.micro_batch_size)]
@@ -333,7 +344,8 @@ def training_rows(policy, rollouts, advantages, args, first_epoch):
                                                              args.prefix_sharing, passes).cpu()
     if args.rollout_is != "none":
         rollouts["is_weight"] = rollout_is_weights(rollouts["old_logprobs"], rollouts["sampler_logprobs"],
-                                                   args.rollout_is, args.rollout_is_cap)           # [N, T]
+                                                   args.rollout_is, args.rollout_is_cap, args.rollout_is_level,
+                                                   rollouts["completion_mask"])                    # [N, T]
     return rollouts
 
 
@@ -371,8 +383,10 @@ def build_parser():
                       help="log π_ref: beside log π_θ, or the rollouts' (default: recompute given a reference)")
     loss.add_argument("--rollout-is", default="none", choices=["none", "tis", "mis"],
                       help="w_t = π_old/q, the sampler's q: none (default), truncated at C, or masked beyond C")
+    loss.add_argument("--rollout-is-level", default="token", choices=["token", "sequence"],
+                      help="w's level: w_t per token (default), or w_i = Π_t w_t per completion (TRL, verl)")
     loss.add_argument("--rollout-is-cap", type=float, default=2.0, metavar="C",
-                      help="C: the cap of --rollout-is (default 2, TRL's and verl's)")
+                      help="C: the cap of --rollout-is (default 2: verl's, token level; TRL's default masks w_i at 3)")
     loss.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
     loss.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
     opt = p.add_argument_group("the optimizer: epochs, minibatches, AdamW")

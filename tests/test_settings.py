@@ -26,7 +26,7 @@ GRPO_KNOBS = {
     "lr": 0.002, "lr_schedule": "cosine", "warmup_steps": 1, "beta": 0.02, "clip_eps": 0.3, "clip_eps_high": 0.35,
     "loss_agg": "token", "policy_loss": "dual_clip", "dual_clip": 4.0, "kl_estimator": "k2", "entropy_coef": 0.01,
     "mask_truncated": True, "old_logprobs": "recompute", "ref_logprobs": "rollouts", "allow_mismatch": True, "epochs": 2, "minibatch_size": 6,
-    "rollout_is": "tis", "rollout_is_cap": 3.0,
+    "rollout_is": "tis", "rollout_is_cap": 3.0, "rollout_is_level": "sequence",
     "gradient_checkpointing": True, "max_grad_norm": 0.5, "weight_decay": 0.5, "max_bad_steps": 3, "fsdp": True,
 }
 PPO_KNOBS = {

@@ -73,7 +73,8 @@ def iteration_metrics(rollouts, rewards, components, skipped, completions, group
 # well PPO's critic explains the returns (charts/).
 ON_POLICY_KEYS = ("logprob_diff_max", "logprob_diff_mean", "ref_logprob_diff_max", "ref_logprob_diff_mean",
                   "outside_clip_on_policy", "skipped_steps", "critic_skipped_steps", "rollout_is_diff_mean",
-                  "rollout_is_diff_max", "rollout_is_kl", "rollout_is_beyond_cap")
+                  "rollout_is_diff_max", "rollout_is_kl", "rollout_is_beyond_cap", "rollout_is_weight_mean",
+                  "rollout_is_weight_max", "rollout_is_weight_beyond_cap")
 CHART_KEYS = ("explained_variance",)
 
 
@@ -184,11 +185,12 @@ def logprob_mismatch(logp, old_logp, mask):
     return diff.max().item(), diff.sum().item()
 
 
-def rollout_mismatch(rollouts, cap):
+def rollout_mismatch(rollouts, cap, level="token"):
     """How far the distribution the sampler drew from, q (sampler_logprobs), is from the trainer's
     π_old (old_logprobs), over the completion tokens, before any step: mean and max |log π_old −
-    log q|, an estimate of KL(q‖π_old), and the share of tokens whose weight r = π_old/q lies beyond
-    the cap C.
+    log q|, an estimate of KL(q‖π_old), the share of tokens whose weight r = π_old/q lies beyond
+    the cap C; and the weight of --rollout-is-level before the cap (r per token, or Π_t r_t per
+    completion, as update.py:rollout_is_weights makes it): its mean, max and share beyond C.
 
     The KL is the mean of log q − log π_old = −log r over the tokens q drew, unbiased whatever E_q[r]
     is. k3 (r − 1 − log r) is not: its mean under q is E_q[r] − 1 + KL, and E_q[r] = 1 only where q
@@ -197,8 +199,15 @@ def rollout_mismatch(rollouts, cap):
     mask = rollouts["completion_mask"]
     x = (rollouts["old_logprobs"] - rollouts["sampler_logprobs"])[mask].double()   # log r, [tokens]
     r = x.clamp(max=20.0).exp()
+    log_w = x                                                                        # [tokens]
+    if level == "sequence":
+        log_r = rollouts["old_logprobs"].double() - rollouts["sampler_logprobs"].double()
+        log_w = torch.where(mask, log_r, 0.0).sum(-1)[mask.any(-1)]                 # log w_i, [completions]
+    w = log_w.clamp(max=700.0).exp()                       # float64's exp overflows at 709
     return {"rollout_is_diff_mean": x.abs().mean().item(), "rollout_is_diff_max": x.abs().max().item(),
-            "rollout_is_kl": (-x).mean().item(), "rollout_is_beyond_cap": (r > cap).double().mean().item()}
+            "rollout_is_kl": (-x).mean().item(), "rollout_is_beyond_cap": (r > cap).double().mean().item(),
+            "rollout_is_weight_mean": w.mean().item(), "rollout_is_weight_max": w.max().item(),
+            "rollout_is_weight_beyond_cap": (w > cap).double().mean().item()}
 
 
 def mismatch_warning(max_diff, mean_diff):
