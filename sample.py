@@ -225,16 +225,19 @@ def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("pr
 # ----------------------------------------------------------------------------------------
 # Reading and writing files
 
-def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None, tokenizer_fingerprint=None):
+def write_outputs(out_dir, tensors, samples, args, policy_fingerprint=None, tokenizer_fingerprint=None,
+                  policy_version=None):
     """samples.jsonl, then rollouts.safetensors, each renamed into place when complete; the rollouts,
     which every later stage opens first, appear last. Their metadata's made_from names the policy that
-    sampled them, its tokenizer and their samples.jsonl rows (grpo/disk/provenance.py)."""
+    sampled them, its tokenizer and their samples.jsonl rows (grpo/disk/provenance.py); train.py's
+    record the policy's version too (its updates so far)."""
     files.make_dir(out_dir)
     files.write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
     made_from = {"policy": policy_fingerprint, "tokenizer": tokenizer_fingerprint,
                  "samples": provenance.samples_digest(samples)}
+    version = {} if policy_version is None else {"policy_version": policy_version}
     files.save_tensors(os.path.join(out_dir, "rollouts.safetensors"), tensors, files.ROLLOUTS[0], vars(args),
-                       made_from=made_from)
+                       made_from=made_from, **version)
 
 
 # ----------------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ import update
 from grpo import settings
 from grpo.cli import StageError, run_cli, warn
 from grpo.disk import checkpoints, files, outputs, provenance, run_log
-from grpo.loop import diagnostics, evaluation, runs
+from grpo.loop import diagnostics, evaluation, runs, staleness
 from grpo.loop.rollouts import dapo_dynamic_sampling
-from grpo.models import distributed
+from grpo.models import builders, distributed
 from grpo.rewards import tasks
 
 # Where a run's default differs from the stage's own, and why.
@@ -56,6 +56,7 @@ RUN_DEFAULTS = {
                  "steps of a 135M model, was tuned at 1e-5"),
     "estimator": (None, "unset: grpo, or gae with --algo ppo (the estimator follows --algo)"),
     "reward": ([], "empty: the task's reward (score.py has no default)"),
+    "rollout_is": (None, "unset: tis with --staleness ≥ 1 (the decoupled objective, docs/numerics.md), else none"),
 }
 # Named configurations: the default one with these settings changed.
 CONFIGS = {
@@ -74,7 +75,7 @@ CONFIGS = {
                        save_every=50),
 }
 # What --resume may change: nothing that alters the iterations already done.
-RESUMABLE = {"iterations", "device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp",
+RESUMABLE = {"iterations", "device", "sample_device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp",
              "gradient_checkpointing", "prefix_sharing"}
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
 # The stage flags a run sets itself at every iteration (files, models, seeds), not settings.
@@ -104,6 +105,8 @@ class Run:
     saved_at: int                      # iterations of the last save (the resume point)
     bad_steps: int                     # skipped optimizer steps in the run so far
     previous: dict | None              # the last iteration's metrics
+    producer: staleness.Producer = None   # --staleness K: the process that runs stages 1 to 3
+    publisher: checkpoints.BackgroundSaver = None   # ... and what writes the versions it samples with
 
 
 def train(cfg, run_dir, resume, records):
@@ -135,17 +138,24 @@ def train(cfg, run_dir, resume, records):
     run = Run(cfg, run_dir, models, optimizer, reward_fns, train_records, held_out_eval,
               SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None,
               checkpoints.BackgroundSaver(), done, bad_steps,
-              files.read_json(previous) if done and os.path.isfile(previous) else None)
+              files.read_json(previous) if done and os.path.isfile(previous) else None,
+              publisher=checkpoints.BackgroundSaver() if cfg.staleness else None)
     bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done,
                total=cfg.iterations, disable=None if main else True)
     try:
+        if cfg.staleness:
+            start_producer(run, done, train_records)
         for i in bar:
             it_dir, metrics, samples = iteration(run, i, resumed_here=i == done)
             if main:
                 run_log.log_iteration(run.writer, bar, it_dir, i, metrics, samples, cfg.group_size)
             run.previous = metrics
     finally:
-        run.saver.wait()                      # no save is left half-written, whatever ended the loop
+        if run.producer is not None:
+            run.producer.stop()
+        for saver in (run.saver, run.publisher):
+            if saver is not None:
+                saver.wait()                  # no save is left half-written, whatever ended the loop
         if models.engine is not None:
             models.engine.close()
     if main and cfg.eval_every:
@@ -160,20 +170,53 @@ def train(cfg, run_dir, resume, records):
 
 def iteration(run, i, resumed_here):
     """Iteration i: the held-out evaluation when due, stages 1 → 4 with every stage's files written in
-    iter_XXXX/, and the save when due; returns that folder, its metrics and samples."""
+    iter_XXXX/ (stages 1 to 3 by the producer process with --staleness), and the save when due;
+    returns that folder, its metrics and samples."""
     cfg, models, main = run.cfg, run.models, distributed.is_main()
     t0, perf, commands, held_out_metrics = time.perf_counter(), {}, [], {}
     if main and cfg.eval_every and i % cfg.eval_every == 0:
         held_out_metrics = run.held_out(models.sampler, models.ref, models.base, i)
     policy_path = checkpoints.sampler_dir(run.dir, i, models.base, run.saved_at, cfg.save_every,
                                           link=main and resumed_here)      # resumed from a kept save
-    it_dir = checkpoints.iteration_dir(run.dir, i, create=main)
-    paths = runs.model_paths(models, policy_path, i)
+    kept = policy_path != os.path.join(run.dir, "policy")               # replay.sh can name it
+    if cfg.staleness:                   # stages 1 to 3 ran in the producer, on version max(0, i − K)
+        it_dir, batch, adv, perf, commands = receive(run, i)
+        if kept:                        # the save's own link to the version that sampled
+            commands = staleness.kept_commands(commands, run.dir, policy_path)
+        else:
+            policy_path = staleness.sampler_path(run.dir, i, models.base)
+    else:
+        it_dir = checkpoints.iteration_dir(run.dir, i, create=main)
+        batch, adv = produce(cfg, i, it_dir, models, runs.model_paths(models, policy_path, i), run.records,
+                             run.reward_fns, perf, commands)
+    rollouts = batch["rollouts"]
+    lengths = rollouts["completion_mask"].sum(-1)                                       # [N]
+    # Stage 4: the clipped policy update.
+    update_args = stage_args("update.py", cfg, it_dir, i, i, runs.model_paths(models, policy_path, i), commands)
+    losses = update_policy(run, rollouts, adv, update_args, perf)
+    if cfg.staleness:                   # the version the producer samples iteration i + 1 + K with
+        staleness.publish(models.policy, models.tokenizer, run.dir, i + 1, run.publisher)
+        staleness.prune(run.dir, i + 1 - cfg.staleness)
+    if main and kept and not cfg.dynamic_sampling:
+        run_log.write_replay(it_dir, i, commands, cfg.staleness and staleness.threads_note(run.producer))
+    metrics = iteration_metrics(run, i, batch, lengths, losses, perf, held_out_metrics)
+    with runs.timed(metrics, "perf/checkpoint_s"):
+        if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
+            keep = checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations
+            links = staleness.kept_for_resume(run.dir, i + 1, cfg.staleness) if cfg.staleness else {}
+            checkpoints.save_resume_point(models.policy, models.tokenizer, run.optimizer, losses, update_args,
+                                          run.dir, i + 1, run.bad_steps, run.saver, keep, models.critic, links)
+            run.saved_at = i + 1
+    metrics["perf/iteration_s"] = time.perf_counter() - t0
+    return it_dir, metrics, batch["samples"]
 
-    # Stages 1 and 2: G completions for each of B prompts, and their rewards.
+
+def produce(cfg, i, it_dir, models, paths, records, reward_fns, perf, commands):
+    """Stages 1 to 3 of iteration i and their files: G completions for each of B prompts, their rewards,
+    their group-relative advantages. Returns the batch and the advantages."""
     def sample_round(slot):
         commands.clear()
-        return sample_and_score(slot, i, cfg, it_dir, models, paths, run.records, run.reward_fns, perf, commands)
+        return sample_and_score(slot, i, cfg, it_dir, models, paths, records, reward_fns, perf, commands)
 
     if cfg.dynamic_sampling:
         R = cfg.max_sample_rounds
@@ -187,25 +230,60 @@ def iteration(run, i, resumed_here):
     # Stage 3: group-relative advantages.
     advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, paths, commands)
     adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths, rollouts, skipped)
-    samples = runs.with_outputs(batch["samples"], rewards, batch["components"], skipped, adv["advantages"],
-                                rollouts["completion_mask"])
+    batch["samples"] = runs.with_outputs(batch["samples"], rewards, batch["components"], skipped, adv["advantages"],
+                                         rollouts["completion_mask"])
+    if cfg.staleness:                   # the behaviour policy's log-probs, which the update weighs against
+        rollouts.setdefault("sampler_logprobs", rollouts["old_logprobs"].clone())
     with runs.timed(perf, "perf/io_s"):
-        if main:
-            write_stage_files(it_dir, batch, lengths, samples, adv, sample_args, score_args, advantage_args, models)
-    # Stage 4: the clipped policy update.
-    update_args = stage_args("update.py", cfg, it_dir, i, i, paths, commands)
-    losses = update_policy(run, rollouts, adv, update_args, perf)
-    if main and policy_path != os.path.join(run.dir, "policy") and not cfg.dynamic_sampling:   # sampler kept
-        run_log.write_replay(it_dir, i, commands)
-    metrics = iteration_metrics(run, i, batch, lengths, losses, perf, held_out_metrics)
-    with runs.timed(metrics, "perf/checkpoint_s"):
-        if checkpoints.is_save_point(i + 1, cfg.save_every) or i + 1 == cfg.iterations:
-            keep = checkpoints.is_save_point(i + 1, cfg.save_every) and i + 1 < cfg.iterations
-            checkpoints.save_resume_point(models.policy, models.tokenizer, run.optimizer, losses, update_args,
-                                          run.dir, i + 1, run.bad_steps, run.saver, keep, models.critic)
-            run.saved_at = i + 1
-    metrics["perf/iteration_s"] = time.perf_counter() - t0
-    return it_dir, metrics, samples
+        if distributed.is_main():
+            write_stage_files(it_dir, batch, lengths, adv, sample_args, score_args, advantage_args, models,
+                              staleness.sampled_by(i, cfg.staleness))
+    return batch, adv
+
+
+def receive(run, i):
+    """--staleness: iteration i as the producer wrote it, once its mark is there, checked to be this
+    run's version max(0, i − K); returns its folder, batch, advantages, timings and stage commands."""
+    it_dir = checkpoints.iteration_dir(run.dir, i, create=False)
+    wait_s = staleness.wait_for(os.path.join(it_dir, "produced.json"), run.producer.check)
+    batch, adv, meta = staleness.read_iteration(it_dir)
+    version = staleness.sampled_by(i, run.cfg.staleness)
+    staleness.check_version(os.path.join(it_dir, "rollouts.safetensors"), meta, i, run.cfg.staleness,
+                            staleness.sampler_path(run.dir, version, run.models.base))
+    produced = files.read_json(os.path.join(it_dir, "produced.json"))
+    perf = {**produced["perf"], "perf/wait_s": wait_s, "charts/staleness": i - version}
+    return it_dir, batch, adv, perf, produced["commands"]
+
+
+def start_producer(run, done, train_records):
+    """--staleness K: the versions a resumed run samples from put back, version `done` published, and
+    the producer process started from iteration `done`, with its own device and threads."""
+    staleness.restore(run.dir, done)
+    if done:
+        staleness.publish(run.models.policy, run.models.tokenizer, run.dir, done, run.publisher)
+    threads = staleness.split_threads(run.cfg.sample_threads)
+    run.producer = staleness.Producer(producer, (run.cfg, run.dir, done, train_records, os.getpid(), threads),
+                                      threads)
+
+
+def producer(cfg, run_dir, done, records, parent_pid, threads):
+    """The producer process of --staleness K: stages 1 to 3 of iterations done .. into the run folder,
+    iteration i sampled by the policy of version max(0, i − K) once the consumer has published it."""
+    staleness.set_threads(threads)
+    alive = staleness.parent_alive(parent_pid)
+    models, reward_fns, loaded = None, None, None
+    for i in range(done, cfg.iterations):
+        version = staleness.sampled_by(i, cfg.staleness)
+        if version != loaded:
+            base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
+            path = staleness.sampler_path(run_dir, version, base)
+            staleness.wait_for(path, alive)
+            models, reward_fns = runs.sampling_models(cfg, base, path, reward_fns)
+            loaded = version
+        it_dir = checkpoints.iteration_dir(run_dir, i, create=True)
+        perf, commands = {}, []
+        produce(cfg, i, it_dir, models, runs.model_paths(models, path, i), records, reward_fns, perf, commands)
+        staleness.mark_produced(it_dir, version, perf, commands)
 
 
 def update_policy(run, rollouts, adv, update_args, perf):
@@ -213,7 +291,9 @@ def update_policy(run, rollouts, adv, update_args, perf):
     critic's, and the sampling copies (FSDP's full copy, vLLM's engine) given the new weights."""
     models = run.models
     with runs.timed(perf, "perf/checkpoint_s"):
-        run.saver.wait()                              # a save in flight reads the weights it changes
+        for saver in (run.saver, run.publisher):
+            if saver is not None:
+                saver.wait()                          # a save in flight reads the weights it changes
     with runs.timed(perf, "perf/update_s"):
         losses = {} if update_args.critic_only else update.train_policy(
             models.policy, run.optimizer, rollouts, adv["advantages"], update_args,
@@ -228,13 +308,13 @@ def update_policy(run, rollouts, adv, update_args, perf):
     return losses
 
 
-def write_stage_files(it_dir, batch, lengths, samples, adv, sample_args, score_args, advantage_args, models):
+def write_stage_files(it_dir, batch, lengths, adv, sample_args, score_args, advantage_args, models, version):
     """Each stage's files of the iteration, by the stage's own writer; each file's made_from names the
-    one before it (grpo/disk/provenance.py)."""
-    rollouts = batch["rollouts"]
+    one before it (grpo/disk/provenance.py), the rollouts the policy version that sampled them."""
+    rollouts, samples = batch["rollouts"], batch["samples"]
     files.write_jsonl(os.path.join(it_dir, "prompts.jsonl"), batch["records"])
     sample.write_outputs(it_dir, rollouts, samples, sample_args, provenance.fingerprint(models.sampler),
-                         models.tokenizer_fingerprint)
+                         models.tokenizer_fingerprint, policy_version=version)
     made_from = provenance.rewards_made_from(score_args.rollouts, samples)
     score.write_rewards(score_args.out, batch["rewards"], rollouts["group_ids"], batch["components"], score_args,
                         lengths, batch["skipped"], made_from)

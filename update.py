@@ -336,8 +336,11 @@ def training_rows(policy, rollouts, advantages, args, first_epoch):
     recompute, log π_old comes from the policy as it is now, in the passes of the first epoch
     (`first_epoch`: its minibatches' rows), every rank's, so that the first step's ratio is exactly 1.
     With --rollout-is, each token's importance weight between that π_old and the sampler's q (its
-    completion's, --rollout-is-level sequence)."""
+    completion's, --rollout-is-level sequence): sampler_logprobs, or without them the file's old_logprobs,
+    the sampling policy's own (the decoupled objective of stale rollouts, docs/numerics.md)."""
     rollouts = {**rollouts, "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated), "advantages": advantages}
+    if args.rollout_is != "none" and "sampler_logprobs" not in rollouts:   # recomputed π_old (π_prox): q is
+        rollouts["sampler_logprobs"] = rollouts["old_logprobs"]            # the sampler's own (π_behav)
     if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
         passes = [idx for rows in first_epoch for idx in distributed.every_rank_passes(rows, args.micro_batch_size)]
         rollouts["old_logprobs"] = modeling.rollout_logprobs(policy, rollouts, args.temperature, 0,

@@ -34,6 +34,7 @@ imports no stage. tests/test_formats.py checks this map against the files.
       rollouts        whole groups of rollouts stacked and re-padded; DAPO's dynamic sampling
       evaluation      greedy held-out answers of the policy beside the reference's
       diagnostics     how a GRPO run goes wrong, as numbers logged every iteration
+      staleness       --staleness K: the producer process beside the update, on a fixed schedule of versions
 
 Shape alphabet used throughout: B prompts, G completions per prompt, N = B·G rows,
 P prompt length, T completion length, V vocabulary size.

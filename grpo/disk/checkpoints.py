@@ -269,13 +269,14 @@ def has_save(run_dir):
 
 
 def save_resume_point(policy, tokenizer, optimizer, losses, update_args, run_dir, iterations_done, bad_steps,
-                      saver, keep=False, critic=None):
+                      saver, keep=False, critic=None, extra_files=None):
     """policy/: what update.py writes, and train_state.json, the resume point, written by `saver` in the
     background (the next iterations run while the files go to disk; policy/ is replaced only once they
     are all there). PPO's critic (optim.Critic) goes into policy/critic/ in the same unit. With
-    `keep`, the same job then links it into checkpoints/ for replay."""
+    `keep`, the same job then links it into checkpoints/ for replay. `extra_files` go into the save too
+    (--staleness: the versions it samples from again, grpo/loop/staleness.py)."""
     state = {"iteration": iterations_done, "bad_steps": bad_steps}
-    extra_files = {"train_state.json": lambda path: files.write_json(path, state)}
+    extra_files = {**(extra_files or {}), "train_state.json": lambda path: files.write_json(path, state)}
     if critic is not None:
         extra_files["critic"] = checkpoint_writer(critic.model, tokenizer, critic.optimizer, losses,
                                                   update_args)

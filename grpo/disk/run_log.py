@@ -10,10 +10,11 @@ from tqdm import tqdm
 from grpo.disk import files
 
 
-def write_replay(it_dir, i, commands):
+def write_replay(it_dir, i, commands, note=None):
     """replay.sh: this iteration's four stages as commands whose outputs go to $OUT, for comparison."""
     out = f'"${{OUT:-replay/iter_{i:04d}}}"'              # the one part the shell expands
-    lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {shlex.quote(it_dir)}.", "set -e"]
+    lines = [f"# Re-run iteration {i} one stage at a time; compare $OUT with {shlex.quote(it_dir)}.",
+             *([f"# {note}"] if note else []), "set -e"]
     file_flags = ("--out", "--rollouts", "--samples", "--rewards", "--advantages", "--critic-out")
     for argv in commands:
         redirect = [flag in file_flags for flag in [""] + argv[:-1]]         # the value follows its flag

@@ -74,10 +74,11 @@ def update_inputs(args):
     if args.ref_logprobs == "recompute" and not args.ref_model:
         raise StageError(f"{args.rollouts}: --ref-logprobs recompute, but no reference model is named; pass "
                          f"--ref-model")
-    if args.rollout_is != "none" and "sampler_logprobs" not in rollouts:
+    if args.rollout_is != "none" and "sampler_logprobs" not in rollouts and args.old_logprobs != "recompute":
         raise StageError(f"{args.rollouts}: --rollout-is {args.rollout_is} needs 'sampler_logprobs', which sample.py "
                          f"writes with --top-k, --top-p or --min-p; without them π_old is the sampling "
-                         f"distribution itself (--rollout-is none)")
+                         f"distribution itself (--rollout-is none), unless --old-logprobs recompute makes π_old "
+                         f"the policy now (π_prox) and the file's old_logprobs the sampler's")
     if args.ref_logprobs == "rollouts" and args.beta != 0 and "ref_logprobs" not in rollouts:
         raise StageError(f"{args.rollouts}: no 'ref_logprobs' but --beta is {args.beta}; sample with "
                          f"--ref-model, pass --ref-model, or train with --beta 0")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo import lora, settings
-from grpo.cli import ArgumentParser, StageError, warn
+from grpo.cli import ArgumentParser, StageError, device_name, warn
 from grpo.disk import files, outputs, provenance
 from grpo.models import builders, distributed, loading, vllm_engine
 from grpo.rewards import prompting, reward_specs, tasks
@@ -25,7 +25,8 @@ from grpo.training import optim
 
 # What each of the run's own settings may be (the stages' are checked by their own RULES).
 RULES = {"iterations": at_least(1), "eval_every": at_least(0), "eval_prompts": at_least(0),
-         "save_every": at_least(0), "max_sample_rounds": at_least(1), "critic_warmup": at_least(0)}
+         "save_every": at_least(0), "max_sample_rounds": at_least(1), "critic_warmup": at_least(0),
+         "staleness": at_least(0), "sample_threads": at_least(0)}
 
 
 # The estimators that compare a completion with the others of its group (advantage.py refuses G = 1
@@ -42,6 +43,10 @@ def check_combinations(cfg):
                          f"evaluate; pass --eval-every 0 for no held-out evaluation")
     if cfg.estimator is None:
         cfg.estimator = "gae" if ppo else "grpo"
+    if cfg.rollout_is is None:          # stale rollouts: clip against π_prox, weigh by π_prox/π_behav
+        cfg.rollout_is = "tis" if cfg.staleness else "none"
+    if cfg.staleness and cfg.old_logprobs is None:
+        cfg.old_logprobs = "recompute"
     if (cfg.estimator == "gae") != ppo:
         raise StageError(f"--estimator {cfg.estimator} with --algo {cfg.algo}: gae needs the critic of "
                          f"--algo ppo, and ppo takes its advantages from gae")
@@ -50,7 +55,7 @@ def check_combinations(cfg):
     if cfg.critic_warmup and cfg.critic_warmup >= cfg.iterations:
         raise StageError(f"--critic-warmup {cfg.critic_warmup}: the policy would never move in --iterations "
                          f"{cfg.iterations}; give 0 ≤ K < --iterations")
-    if cfg.rollout_is != "none" and cfg.engine == "sampler" and not (cfg.top_k > 0 or cfg.top_p < 1.0
+    if cfg.rollout_is != "none" and cfg.engine == "sampler" and not cfg.staleness and not (cfg.top_k > 0 or cfg.top_p < 1.0
                                                                       or cfg.min_p > 0.0):
         raise StageError(f"--rollout-is {cfg.rollout_is} reweighs tokens drawn by another engine or from a truncated "
                          f"distribution, and neither --engine vllm nor --top-k, --top-p or --min-p is given: π_old "
@@ -64,10 +69,23 @@ def check_combinations(cfg):
     if cfg.group_size < 2 and needing:
         raise StageError(f"--group-size {cfg.group_size}: {needing[0]} compares each completion with the "
                          f"others of its group, so G must be at least 2 (PPO's critic needs none: --algo ppo)")
+    if cfg.staleness:
+        check_staleness(cfg)
     G, S = cfg.group_size, cfg.length_strata
     if S > 1 and (G % S or G // S < 2):
         raise StageError(f"--length-strata {S}: the G = {G} completions of a group must split into strata of "
                          f"equal size of at least 2 (S divides G, S ≤ G/2)")
+
+
+def check_staleness(cfg):
+    """--staleness K runs what the producer process can run alone: one process's models, the project's
+    sampler, no critic to publish."""
+    refused = {"--algo ppo (the critic's values are sampled with the policy)": cfg.algo == "ppo",
+               "--engine vllm (the producer samples with the project's sampler)": cfg.engine == "vllm",
+               "--fsdp": cfg.fsdp}
+    for what, given in refused.items():
+        if given:
+            raise StageError(f"--staleness {cfg.staleness} does not run with {what} yet; use --staleness 0")
 
 
 PATHS = ("model", "prompts", "eval_prompts_file", "critic_init")      # settings that name files or folders
@@ -129,6 +147,13 @@ def parser(description, configs):
                      help="DAPO's dynamic sampling: refill the batch with groups whose rewards differ")
     run.add_argument("--max-sample-rounds", type=int, default=3,
                      help="R: sampling rounds of dynamic sampling")
+    run.add_argument("--staleness", type=int, default=0, metavar="K",
+                     help="K: iteration k sampled by policy version max(0, k − K) in a producer process\n"
+                          "beside the update (0: one process, stage after stage)")
+    run.add_argument("--sample-device", default=None, type=device_name,
+                     help="--staleness: the producer's device (default: --device)")
+    run.add_argument("--sample-threads", type=int, default=0,
+                     help="--staleness on a CPU: the producer's threads, the update keeps the rest (0: half)")
     return p
 
 
@@ -211,6 +236,22 @@ def start_critic(cfg, run_dir, base, done, device):
     critic = distributed.distribute(loading.load_critic(path, device, cfg.trust_remote_code), cfg.fsdp)
     state = os.path.join(path, "optimizer.safetensors") if done else None
     return init, optim.Critic(critic, optim.adamw(critic, cfg.lr, cfg.weight_decay, state))
+
+
+def sampling_models(cfg, base, path, reward_fns=None):
+    """What --staleness's producer process holds: the policy of the folder `path` (its version), π_ref
+    where the rollouts carry its log-probs, the tokenizer, and the reward functions (loaded once)."""
+    device = distributed.pick_device(cfg.sample_device or cfg.device)
+    if reward_fns is None:
+        reward_fns = [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code)
+                      for s in cfg.reward]
+    policy = lora.load_policy(path, device, cfg)
+    ref = None
+    if cfg.ref_logprobs == "rollouts" and cfg.beta != 0:
+        ref = lora.load_reference(base, policy, device, cfg.trust_remote_code)
+    models = Models(base, loading.load_tokenizer(path, cfg.trust_remote_code), policy, policy, ref)
+    models.tokenizer_fingerprint = provenance.tokenizer_fingerprint(models.tokenizer)
+    return models, reward_fns
 
 
 def model_paths(models, policy_path, i):

@@ -1,0 +1,207 @@
+"""train.py --staleness K: the producer process (sample → score → advantage) beside the consumer (the
+update), over the run folder, on a fixed schedule.
+
+Iteration k is sampled by the policy of version max(0, k − K), the policy after that many updates.
+The consumer publishes version v after its v-th update, and the producer waits for it; the producer
+marks iteration k complete, and the consumer waits for that. Nothing else crosses between the two: the
+stage files are the channel, so the schedule, and with it every number, does not depend on timing.
+
+    published/policy_XXXX/   version XXXX (a checkpoint; LoRA: its adapters), written whole
+    iter_XXXX/produced.json  the producer's mark, written last: the version that sampled, its timings
+    policy/published/        a save's own links to the K versions before it, which a resume samples from
+
+A resume point after s updates needs versions s − K .. s − 1 to sample iterations s .. s + K − 1
+again; each save holds hard links to them (no copy), so published/ keeps only what the producer can
+still ask for, K + 1 versions (plus version 0, the base model, which is never written).
+"""
+
+import glob
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+
+import torch
+from safetensors import safe_open
+
+from grpo.cli import StageError
+from grpo.disk import checkpoints, files
+from grpo.models import distributed, loading
+
+POLL_S = 0.02          # how often a waiting process looks for the file it waits for
+
+
+def sampled_by(i, staleness):
+    """The version of the policy that samples iteration i: max(0, i − K)."""
+    return max(0, i - staleness)
+
+
+def version_dir(run_dir, version):
+    return os.path.join(run_dir, "published", f"policy_{version:04d}")
+
+
+def sampler_path(run_dir, version, base):
+    """The folder of version `version`: the base model for 0."""
+    return base if version == 0 else version_dir(run_dir, version)
+
+
+def publish(model, tokenizer, run_dir, version, saver):
+    """Write version `version` of the policy, in `saver`'s thread (the caller waits before the next
+    step changes the weights); a folder appears whole or not at all."""
+    model = distributed.unwrap(model)
+    weights = None if loading.is_lora(model) else checkpoints.checkpoint_tensors(model)
+    saver.submit(lambda: checkpoints.save_checkpoint(model, tokenizer, version_dir(run_dir, version),
+                                                     weights=weights))
+
+
+def prune(run_dir, oldest):
+    """Remove the published versions before `oldest` (a save keeps its own links to the ones it needs)."""
+    for path in glob.glob(os.path.join(run_dir, "published", "policy_[0-9][0-9][0-9][0-9]")):
+        if int(path[-4:]) < oldest:
+            shutil.rmtree(path)
+
+
+def kept_for_resume(run_dir, done, staleness):
+    """The extra files of the save after `done` updates: links to versions done − K .. done − 1."""
+    def link_versions(path):
+        os.makedirs(path)
+        for v in range(max(1, done - staleness), done):
+            checkpoints.link_tree(version_dir(run_dir, v), os.path.join(path, f"policy_{v:04d}"))
+    return {"published": link_versions}
+
+
+def restore(run_dir, done):
+    """The published versions a run resumed after `done` updates samples from: those the save links
+    put back, those made after the save removed (they are made again, the same), scratch folders of a
+    killed writer removed."""
+    published = os.path.join(run_dir, "published")
+    os.makedirs(published, exist_ok=True)
+    for path in glob.glob(os.path.join(published, ".*.grpo-*")):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in glob.glob(os.path.join(published, "policy_[0-9][0-9][0-9][0-9]")):
+        files.recover_dir(path)
+        if int(path[-4:]) >= done:
+            shutil.rmtree(path)
+    for path in sorted(glob.glob(os.path.join(run_dir, "policy", "published", "policy_[0-9][0-9][0-9][0-9]"))):
+        if not os.path.isdir(os.path.join(published, os.path.basename(path))):
+            checkpoints.link_tree(path, os.path.join(published, os.path.basename(path)))
+
+
+def mark_produced(it_dir, version, perf, commands):
+    """The producer's last write of an iteration: the version that sampled it, its timings, its commands."""
+    files.write_json(os.path.join(it_dir, "produced.json"),
+                     {"policy_version": version, "perf": perf, "commands": commands})
+
+
+def read_iteration(it_dir):
+    """What the producer wrote of an iteration, as the synchronous loop holds it in memory: the batch
+    (records, rollouts, samples, rewards, each reward function's, the skipped rows), the advantages
+    file's tensors, and the rollouts' metadata."""
+    rollouts, _, _ = files.load_tensors(os.path.join(it_dir, "rollouts.safetensors"), files.ROLLOUTS)
+    with safe_open(os.path.join(it_dir, "rollouts.safetensors"), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items() if k != "schema"}
+    path = os.path.join(it_dir, "rewards.safetensors")
+    rewards, _, _ = files.load_tensors(path, files.REWARDS)
+    with safe_open(path, framework="pt") as f:
+        components = {k.removeprefix("reward/"): f.get_tensor(k) for k in f.keys() if k.startswith("reward/")}
+    adv, _, _ = files.load_tensors(os.path.join(it_dir, "advantages.safetensors"), files.ADVANTAGES)
+    batch = {"records": files.read_jsonl(os.path.join(it_dir, "prompts.jsonl")), "rollouts": rollouts,
+             "samples": files.read_jsonl(os.path.join(it_dir, "samples.jsonl")), "rewards": rewards["rewards"],
+             "components": components,
+             "skipped": rewards.get("skipped", torch.zeros_like(rewards["rewards"], dtype=torch.bool))}
+    return batch, adv, meta
+
+
+def wait_for(path, alive):
+    """Block until `path` exists; `alive()` is called between looks and raises if the other side has
+    ended (unless it wrote `path` first). Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while not os.path.exists(path):
+        try:
+            alive()
+        except BaseException:
+            if not os.path.exists(path):
+                raise
+        time.sleep(POLL_S)
+    return time.perf_counter() - t0
+
+
+def kept_commands(commands, run_dir, kept_dir):
+    """The stage commands of an iteration whose policy is kept (checkpoints/iter_XXXX), the version that
+    sampled it named by the save's own link (kept_for_resume), which outlives published/."""
+    published = os.path.join(run_dir, "published")
+    return [[os.path.join(kept_dir, "published", os.path.basename(a)) if os.path.dirname(a) == published else a
+             for a in argv] for argv in commands]
+
+
+def check_version(path, rollouts_meta, i, staleness, expected_model):
+    """Iteration i's rollouts were sampled by this run's version max(0, i − K): else one line, and nothing
+    is trained on them."""
+    version, model = rollouts_meta.get("policy_version"), rollouts_meta.get("args", {}).get("model")
+    want = sampled_by(i, staleness)
+    if version != want or os.path.realpath(str(model)) != os.path.realpath(expected_model):
+        raise StageError(f"{path}: sampled by policy version {version} ({model}); iteration {i} with --staleness "
+                         f"{staleness} trains only on rollouts of this run's version {want} ({expected_model})")
+
+
+def split_threads(sample_threads):
+    """The CPU threads of the two processes: the producer's (`sample_threads`, 0: half), and this
+    process keeps the rest (at least one each). Returns the producer's."""
+    total = torch.get_num_threads()
+    sample_threads = sample_threads or max(1, total // 2)
+    torch.set_num_threads(max(1, total - sample_threads))
+    return sample_threads
+
+
+def set_threads(threads):
+    torch.set_num_threads(threads)
+
+
+def threads_note(producer):
+    """replay.sh's note of the CPU threads each side ran on, which a CPU's rounding depends on."""
+    def threads(n):
+        return f"{n} thread{'s' if n != 1 else ''}"
+    return (f"on a CPU, sample/score/advantage ran on {threads(producer.threads)} and the update on "
+            f"{threads(torch.get_num_threads())}: the same counts (torch.set_num_threads) give the same bits")
+
+
+class Producer:
+    """The producer process: `target(*args)` in a fresh interpreter (spawn: no torch state forked),
+    which dies with this process (Linux's parent-death signal) so that a killed run leaves no writer."""
+
+    def __init__(self, target, args, threads):
+        self.threads = threads
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=_with_parent_death, args=(target, args), name="grpo-producer", daemon=True)
+        self.process.start()
+
+    def check(self):
+        """Raise, in one line, if the producer has ended (its own error is on stderr above)."""
+        if not self.process.is_alive():
+            raise StageError(f"the producer process (sample → score → advantage) ended with exit code "
+                             f"{self.process.exitcode}; the run stops at its last save (--resume continues both)")
+
+    def stop(self):
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join()
+
+
+def _with_parent_death(target, args):
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+    target(*args)
+
+
+def parent_alive(parent_pid):
+    """A check for the producer's waits: raise SystemExit once the consumer that started it is gone
+    (where the parent-death signal does not exist)."""
+    def alive():
+        if os.getppid() != parent_pid:
+            raise SystemExit(1)
+    return alive
+
