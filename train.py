@@ -271,19 +271,24 @@ def producer(cfg, run_dir, done, records, parent_pid, threads):
     iteration i sampled by the policy of version max(0, i − K) once the consumer has published it."""
     staleness.set_threads(threads)
     alive = staleness.parent_alive(parent_pid)
-    models, reward_fns, loaded = None, None, None
-    for i in range(done, cfg.iterations):
-        version = staleness.sampled_by(i, cfg.staleness)
-        if version != loaded:
-            base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
-            path = staleness.sampler_path(run_dir, version, base)
-            staleness.wait_for(path, alive)
-            models, reward_fns = runs.sampling_models(cfg, base, path, reward_fns)
-            loaded = version
-        it_dir = checkpoints.iteration_dir(run_dir, i, create=True)
-        perf, commands = {}, []
-        produce(cfg, i, it_dir, models, runs.model_paths(models, path, i), records, reward_fns, perf, commands)
-        staleness.mark_produced(it_dir, version, perf, commands)
+    models, reward_fns, loaded, engine = None, None, None, None
+    try:
+        for i in range(done, cfg.iterations):
+            version, perf, commands = staleness.sampled_by(i, cfg.staleness), {}, []
+            if version != loaded:
+                base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
+                path = staleness.sampler_path(run_dir, version, base)
+                staleness.wait_for(path, alive)
+                with runs.timed(perf, "perf/load_s"):
+                    models, reward_fns = runs.sampling_models(cfg, base, path, reward_fns)
+                    engine = runs.sampling_engine(cfg, engine, models)     # --engine vllm: the version's weights
+                models.engine, loaded = engine, version
+            it_dir = checkpoints.iteration_dir(run_dir, i, create=True)
+            produce(cfg, i, it_dir, models, runs.model_paths(models, path, i), records, reward_fns, perf, commands)
+            staleness.mark_produced(it_dir, version, perf, commands)
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 def update_policy(run, rollouts, adv, update_args, perf):
@@ -455,6 +460,9 @@ def check_batch(cfg, records):
 def main(argv=None):
     args, cfg, run_dir = parse_args(argv)
     distributed.init_distributed(cfg.device)                  # under torchrun; rank 0 writes and logs
+    if cfg.staleness and distributed.rank_and_world()[1] > 1:
+        raise StageError(f"--staleness {cfg.staleness} runs one producer beside one update process, not under "
+                         f"torchrun's ranks yet; use --staleness 0 there")
     distributed.barrier()                                 # every rank has checked run_dir before it exists
     records = runs.run_records(cfg.task, cfg.seed, cfg.prompts, cfg.eval_prompts_file,
                                 cfg.eval_prompts if cfg.eval_every else 0)

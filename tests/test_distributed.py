@@ -169,3 +169,10 @@ def test_train_under_torchrun_resumes_exactly_and_writes_one_process_files(tmp_p
             assert {k: (v.dtype, v.shape[0]) for k, v in one.items()} == {k: (v.dtype, v.shape[0]) for k, v in two.items()}
         metrics = [json.load(open(tmp_path / name / it / "metrics.json")) for name in ("one", "straight")]
         assert metrics[0].keys() == metrics[1].keys()
+
+
+def test_staleness_under_torchrun_is_refused_in_one_line(tmp_path):
+    r = torchrun("train.py", "--config", "tiny", "--staleness", 1, "--run-dir", tmp_path / "run", timeout=120)
+    assert r.returncode != 0
+    assert "--staleness 1 runs one producer beside one update process, not under torchrun" in r.stderr
+    assert not (tmp_path / "run").exists()

@@ -151,6 +151,25 @@ def test_train_keeps_one_engine_that_follows_the_updates_and_learns(tiny32, tmp_
     assert float(held_out[1]) > float(held_out[2]), r.stdout
 
 
+def test_the_producer_of_staleness_1_samples_with_vllm_given_each_version(tiny32, tmp_path):
+    """--staleness 1 --engine vllm: the producer's engine takes each published version's weights, so its
+    log-probs are the stale sampler's: within the tolerance of log π_behav (the producer's own forward,
+    old_logprobs in the file), and one update away from π_prox, which the update recomputes."""
+    run_dir = tmp_path / "run"
+    run("train.py", "--config", "tiny", "--model", tiny32["policy"], "--engine", "vllm", "--iterations", 4,
+        "--eval-every", 0, "--staleness", 1, "--run-dir", run_dir)
+    m = metrics(run_dir, 4)
+    for i in range(1, 4):
+        t = load_file(run_dir / f"iter_{i:04d}" / "rollouts.safetensors")
+        mask = t["completion_mask"]
+        assert (t["sampler_logprobs"] - t["old_logprobs"])[mask].abs().max() < TOLERANCE
+        assert m[i]["charts/staleness"] == 1 and m[i]["diag/rollout_is_diff_max"] > 10 * TOLERANCE
+    with safe_open(str(run_dir / "iter_0002" / "rollouts.safetensors"), framework="pt") as f:
+        assert json.loads(f.metadata()["policy_version"]) == 1
+        assert json.loads(f.metadata()["args"])["engine"] == "vllm"
+    assert ["perf/load_s" in x for x in m] == [True, False, True, True]    # versions 0, 0, 1, 2
+
+
 def test_the_default_models_engine_log_probs_within_the_tolerance(prompts_file, tmp_path):
     path = builders.default_model_dir()
     run("sample.py", "--model", path, "--prompts", prompts_file, "--engine", "vllm", "--group-size", 4,

@@ -78,10 +78,9 @@ def check_combinations(cfg):
 
 
 def check_staleness(cfg):
-    """--staleness K runs what the producer process can run alone: one process's models, the project's
-    sampler, no critic to publish."""
+    """--staleness K runs what the producer process can run alone: one process's models, no critic to
+    publish (torchrun's ranks are refused where they are known, train.py:main)."""
     refused = {"--algo ppo (the critic's values are sampled with the policy)": cfg.algo == "ppo",
-               "--engine vllm (the producer samples with the project's sampler)": cfg.engine == "vllm",
                "--fsdp": cfg.fsdp}
     for what, given in refused.items():
         if given:
@@ -252,6 +251,18 @@ def sampling_models(cfg, base, path, reward_fns=None):
     models = Models(base, loading.load_tokenizer(path, cfg.trust_remote_code), policy, policy, ref)
     models.tokenizer_fingerprint = provenance.tokenizer_fingerprint(models.tokenizer)
     return models, reward_fns
+
+
+def sampling_engine(cfg, engine, models):
+    """--engine vllm in --staleness's producer: the engine started once, then given each version's
+    weights in place; None with the project's sampler."""
+    if cfg.engine != "vllm":
+        return None
+    if engine is None:
+        return vllm_engine.start(models.sampler, loading.model_dir(models.base), cfg.max_new_tokens,
+                                 cfg.num_prompts * cfg.group_size)
+    engine.load_weights(models.sampler)
+    return engine
 
 
 def model_paths(models, policy_path, i):
