@@ -132,7 +132,7 @@ def test_the_update_refuses_rollouts_of_another_version_or_run(tmp_path):
 
 
 def test_what_the_producer_cannot_run_yet_is_refused_in_one_line(tmp_path):
-    for flags, fragment in [(["--algo", "ppo"], "--algo ppo"), (["--engine", "vllm"], "--engine vllm")]:
+    for flags, fragment in [(["--algo", "ppo"], "--algo ppo"), (["--fsdp"], "--fsdp")]:
         r = cli("train.py", "--config", "tiny", "--staleness", 1, *flags, "--run-dir", tmp_path / "x")
         assert_user_error(r, "--staleness 1", fragment)
         assert not (tmp_path / "x").exists()
