@@ -143,8 +143,9 @@ def train(cfg, run_dir, resume, records):
     bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done,
                total=cfg.iterations, disable=None if main else True)
     try:
-        if cfg.staleness:
-            start_producer(run, done, train_records)
+        if cfg.staleness:     # the versions a resume samples with, and the producer from iteration `done`
+            run.producer = staleness.start(run.dir, done, run.cfg.sample_threads, models.policy, models.tokenizer,
+                                           run.publisher, producer, (cfg, run_dir, done, train_records))
         for i in bar:
             it_dir, metrics, samples = iteration(run, i, resumed_here=i == done)
             if main:
@@ -180,7 +181,7 @@ def iteration(run, i, resumed_here):
                                           link=main and resumed_here)      # resumed from a kept save
     kept = policy_path != os.path.join(run.dir, "policy")               # replay.sh can name it
     if cfg.staleness:                   # stages 1 to 3 ran in the producer, on version max(0, i − K)
-        it_dir, batch, adv, perf, commands = receive(run, i)
+        it_dir, batch, adv, perf, commands = staleness.receive(run.dir, i, cfg.staleness, models.base, run.producer)
         if kept:                        # the save's own link to the version that sampled
             commands = staleness.kept_commands(commands, run.dir, policy_path)
         else:
@@ -241,31 +242,6 @@ def produce(cfg, i, it_dir, models, paths, records, reward_fns, perf, commands):
     return batch, adv
 
 
-def receive(run, i):
-    """--staleness: iteration i as the producer wrote it, once its mark is there, checked to be this
-    run's version max(0, i − K); returns its folder, batch, advantages, timings and stage commands."""
-    it_dir = checkpoints.iteration_dir(run.dir, i, create=False)
-    wait_s = staleness.wait_for(os.path.join(it_dir, "produced.json"), run.producer.check)
-    batch, adv, meta = staleness.read_iteration(it_dir)
-    version = staleness.sampled_by(i, run.cfg.staleness)
-    staleness.check_version(os.path.join(it_dir, "rollouts.safetensors"), meta, i, run.cfg.staleness,
-                            staleness.sampler_path(run.dir, version, run.models.base))
-    produced = files.read_json(os.path.join(it_dir, "produced.json"))
-    perf = {**produced["perf"], "perf/wait_s": wait_s, "charts/staleness": i - version}
-    return it_dir, batch, adv, perf, produced["commands"]
-
-
-def start_producer(run, done, train_records):
-    """--staleness K: the versions a resumed run samples from put back, version `done` published, and
-    the producer process started from iteration `done`, with its own device and threads."""
-    staleness.restore(run.dir, done)
-    if done:
-        staleness.publish(run.models.policy, run.models.tokenizer, run.dir, done, run.publisher)
-    threads = staleness.split_threads(run.cfg.sample_threads)
-    run.producer = staleness.Producer(producer, (run.cfg, run.dir, done, train_records, os.getpid(), threads),
-                                      threads)
-
-
 def producer(cfg, run_dir, done, records, parent_pid, threads):
     """The producer process of --staleness K: stages 1 to 3 of iterations done .. into the run folder,
     iteration i sampled by the policy of version max(0, i − K) once the consumer has published it."""
@@ -280,9 +256,8 @@ def producer(cfg, run_dir, done, records, parent_pid, threads):
                 path = staleness.sampler_path(run_dir, version, base)
                 staleness.wait_for(path, alive)
                 with runs.timed(perf, "perf/load_s"):
-                    models, reward_fns = runs.sampling_models(cfg, base, path, reward_fns)
-                    engine = runs.sampling_engine(cfg, engine, models)     # --engine vllm: the version's weights
-                models.engine, loaded = engine, version
+                    models, reward_fns, engine = staleness.producer_models(cfg, base, path, reward_fns, engine)
+                loaded = version
             it_dir = checkpoints.iteration_dir(run_dir, i, create=True)
             produce(cfg, i, it_dir, models, runs.model_paths(models, path, i), records, reward_fns, perf, commands)
             staleness.mark_produced(it_dir, version, perf, commands)

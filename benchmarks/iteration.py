@@ -4,6 +4,7 @@ the compute floor.
     python benchmarks/iteration.py                  # both tables, SmolLM2-135M-Instruct
     python benchmarks/iteration.py --table 1        # the default job's shape only
     python benchmarks/iteration.py --table 2        # how the saving grows with G and the prompt
+    python benchmarks/iteration.py --table 3        # the asynchronous loop, --staleness 0 and 1
     python benchmarks/iteration.py --model DIR      # any local checkpoint folder
 
 Table 1, the default job's shape: B = 4 arithmetic chat prompts × G = 8, exactly 24 new tokens each
@@ -39,6 +40,15 @@ child process: the project's sampler, then one update.train_policy step (with th
 (forward, backward, AdamW); its seconds and the child's peak RSS (two copies of the model and
 AdamW's state included). A child the kernel kills for memory shows as `killed`, with its RSS then.
 
+Table 3, the asynchronous loop: the default job's shape as table 1's, `python train.py` with
+--staleness 0 and --staleness 1 (on a CPU the threads split between the producer and the update,
+--sample-threads 0: half each), alternating, --async-reps of each. Per run, the iteration's seconds
+(the update's: the median over the save cycle plus the cycle's excess, as in table 1), the producer's
+seconds per iteration (loading the version, sampling, scoring, writing the files) and the update's
+own (its step and its publishing), and the share of the update's iteration spent waiting for the
+producer (perf/wait_s). From K = 0's stage times: what two devices, one sampling and one updating,
+would take an iteration, max(producer, update), against their sum on one.
+
 Prints the tables, then one JSON line with everything measured.
 """
 
@@ -72,7 +82,7 @@ FILLER = "The museum keeps its maps in a cool room, and visitors may look at the
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--table", type=int, choices=[1, 2], default=None, help="one table only (default: both)")
+    p.add_argument("--table", type=int, choices=[1, 2, 3], default=None, help="one table only (default: all)")
     p.add_argument("--floor-reps", type=int, default=4, help="measured repetitions of the floor (default 4)")
     p.add_argument("--warmup", type=int, default=1, help="train.py iterations not measured (default 1)")
     p.add_argument("--save-every", type=int, default=5, help="train.py's --save-every, the cycle measured (5)")
@@ -80,6 +90,7 @@ def parse_args():
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="table 1 also times train.py of another checkout (an earlier commit: `git worktree add\n"
                         "DIR REV`), alternating with this one's, twice each: the change's cost in one run")
+    p.add_argument("--async-reps", type=int, default=2, help="table 3: runs of each K, alternating (default 2)")
     p.add_argument("--cell", nargs=3, type=int, metavar=("P", "G", "SHARE"), help=argparse.SUPPRESS)
     p.add_argument("--engine-rates", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -353,6 +364,49 @@ def run_train(argv, label="train.py", root=ROOT):
     return peak_rss_mb
 
 
+def run_async(args, model, run_dir, staleness):
+    """train.py --staleness K in a child process over one save cycle: the update's iteration seconds,
+    the producer's and the update's own seconds per iteration (medians), and the update's waiting share."""
+    total = args.warmup + args.save_every + 1
+    run_train(["--model", model, "--run-dir", run_dir, "--iterations", str(total), "--num-prompts", str(B),
+               "--group-size", str(G), "--max-new-tokens", str(T), "--temperature", str(TAU), "--beta", str(BETA),
+               "--epochs", "1", "--eval-every", "0", "--ignore-eos", "--save-every", str(args.save_every),
+               "--device", args.device, "--staleness", str(staleness)])
+    cycle = [files.read_json(os.path.join(run_dir, f"iter_{i:04d}", "metrics.json"))
+             for i in range(args.warmup, args.warmup + args.save_every)]
+    loop_s = statistics.median(m["perf/iteration_s"] for m in cycle)
+    iteration_s = loop_s + max(statistics.mean(m["perf/iteration_s"] for m in cycle) - loop_s,
+                               statistics.mean(m["perf/checkpoint_s"] for m in cycle))
+    producer = ("perf/load_s", "perf/sample_s", "perf/score_s", "perf/io_s")
+    return {"iteration_s": iteration_s,
+            "producer_s": statistics.median(sum(m.get(k, 0.0) for k in producer) for m in cycle),
+            "update_s": statistics.median(m["perf/update_s"] for m in cycle),
+            "wait_share": statistics.median(m.get("perf/wait_s", 0.0) / m["perf/iteration_s"] for m in cycle)}
+
+
+def table_3(args, model_dir):
+    runs = {0: [], 1: []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for rep in range(args.async_reps):
+            for K in runs:
+                runs[K].append(run_async(args, model_dir, os.path.join(scratch, f"k{K}_{rep}"), K))
+    result = {K: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for K, rs in runs.items()}
+    sync = result[0]
+    apart = {"sample, score, files": sync["producer_s"], "update": sync["update_s"]}
+    pair_s = max(apart.values())
+    print(f"\nTable 3. the asynchronous loop, model {model_dir}, device {args.device}, {torch.get_num_threads()} CPU "
+          f"threads; the default job's shape, medians of {args.async_reps} runs of each K")
+    print(f"{'K':>3s} {'iteration s':>12s} {'producer s':>11s} {'update s':>9s} {'update waits':>13s}")
+    for K, r in result.items():
+        print(f"{K:>3d} {r['iteration_s']:12.3f} {r['producer_s']:11.3f} {r['update_s']:9.3f} {r['wait_share']:13.1%}")
+    print(f"K = 1 takes {result[1]['iteration_s'] / sync['iteration_s']:.2f}× K = 0's iteration here; two devices, "
+          f"one sampling ({apart['sample, score, files']:.3f} s) and one updating ({apart['update']:.3f} s) at K = 0's "
+          f"speeds, would take max = {pair_s:.3f} s against their sum {sum(apart.values()):.3f} s "
+          f"({sum(apart.values()) / pair_s:.2f}× at most)")
+    return {"runs": {str(K): rs for K, rs in runs.items()}, "medians": {str(K): r for K, r in result.items()},
+            "pair_s": pair_s, "serial_s": sum(apart.values())}
+
+
 def run_project(args, model, run_dir, share, root=ROOT, engine="sampler"):
     """train.py (of the checkout at `root`) in a child process; returns its iteration time, per-stage
     medians and peak RSS (and with --engine vllm, the engine's weight reload per iteration)."""
@@ -596,6 +650,8 @@ def main():
         result["table_1"] = table_1(args, model_dir, device)
     if args.table in (None, 2):
         result["table_2"] = table_2(args, model_dir)
+    if args.table in (None, 3):
+        result["table_3"] = table_3(args, model_dir)
     print(json.dumps(result))
 
 

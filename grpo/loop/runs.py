@@ -237,34 +237,6 @@ def start_critic(cfg, run_dir, base, done, device):
     return init, optim.Critic(critic, optim.adamw(critic, cfg.lr, cfg.weight_decay, state))
 
 
-def sampling_models(cfg, base, path, reward_fns=None):
-    """What --staleness's producer process holds: the policy of the folder `path` (its version), π_ref
-    where the rollouts carry its log-probs, the tokenizer, and the reward functions (loaded once)."""
-    device = distributed.pick_device(cfg.sample_device or cfg.device)
-    if reward_fns is None:
-        reward_fns = [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code)
-                      for s in cfg.reward]
-    policy = lora.load_policy(path, device, cfg)
-    ref = None
-    if cfg.ref_logprobs == "rollouts" and cfg.beta != 0:
-        ref = lora.load_reference(base, policy, device, cfg.trust_remote_code)
-    models = Models(base, loading.load_tokenizer(path, cfg.trust_remote_code), policy, policy, ref)
-    models.tokenizer_fingerprint = provenance.tokenizer_fingerprint(models.tokenizer)
-    return models, reward_fns
-
-
-def sampling_engine(cfg, engine, models):
-    """--engine vllm in --staleness's producer: the engine started once, then given each version's
-    weights in place; None with the project's sampler."""
-    if cfg.engine != "vllm":
-        return None
-    if engine is None:
-        return vllm_engine.start(models.sampler, loading.model_dir(models.base), cfg.max_new_tokens,
-                                 cfg.num_prompts * cfg.group_size)
-    engine.load_weights(models.sampler)
-    return engine
-
-
 def model_paths(models, policy_path, i):
     """The models that iteration i's stage commands name: the policy that samples it, π_ref, and PPO's
     critic, saved beside that policy (its critic/), or critic_init before the first step."""

@@ -26,11 +26,37 @@ import time
 import torch
 from safetensors import safe_open
 
+from grpo import lora
 from grpo.cli import StageError
-from grpo.disk import checkpoints, files
-from grpo.models import distributed, loading
+from grpo.disk import checkpoints, files, provenance
+from grpo.loop import runs
+from grpo.models import distributed, loading, vllm_engine
+from grpo.rewards import reward_specs
 
 POLL_S = 0.02          # how often a waiting process looks for the file it waits for
+
+
+def producer_models(cfg, base, path, reward_fns=None, engine=None):
+    """What the producer holds to sample with version `path`: the policy (LoRA: base and adapters),
+    π_ref where the rollouts carry its log-probs, the tokenizer, the reward functions (loaded once)
+    and with --engine vllm the one engine, given this version's weights. Returns (models, reward
+    functions, engine)."""
+    device = distributed.pick_device(cfg.sample_device or cfg.device)
+    if reward_fns is None:
+        reward_fns = [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code)
+                      for s in cfg.reward]
+    policy = lora.load_policy(path, device, cfg)
+    ref = None
+    if cfg.ref_logprobs == "rollouts" and cfg.beta != 0:
+        ref = lora.load_reference(base, policy, device, cfg.trust_remote_code)
+    models = runs.Models(base, loading.load_tokenizer(path, cfg.trust_remote_code), policy, policy, ref)
+    models.tokenizer_fingerprint = provenance.tokenizer_fingerprint(models.tokenizer)
+    if cfg.engine == "vllm" and engine is None:
+        engine = vllm_engine.start(policy, loading.model_dir(base), cfg.max_new_tokens, cfg.num_prompts * cfg.group_size)
+    elif cfg.engine == "vllm":
+        engine.load_weights(policy)
+    models.engine = engine
+    return models, reward_fns, engine
 
 
 def sampled_by(i, staleness):
@@ -87,6 +113,31 @@ def restore(run_dir, done):
     for path in sorted(glob.glob(os.path.join(run_dir, "policy", "published", "policy_[0-9][0-9][0-9][0-9]"))):
         if not os.path.isdir(os.path.join(published, os.path.basename(path))):
             checkpoints.link_tree(path, os.path.join(published, os.path.basename(path)))
+
+
+def start(run_dir, done, sample_threads, policy, tokenizer, publisher, target, args):
+    """The update's side at the start of a run: the versions a resumed run samples from put back, version
+    `done` published, and the producer `target(*args, parent PID, threads)` started with its threads."""
+    restore(run_dir, done)
+    if done:
+        publish(policy, tokenizer, run_dir, done, publisher)
+    threads = split_threads(sample_threads)
+    return Producer(target, (*args, os.getpid(), threads), threads)
+
+
+def receive(run_dir, i, staleness, base, producer):
+    """Iteration i as the producer wrote it, once its mark is there, checked to be this run's version
+    max(0, i − K): its folder, batch, advantages, timings (with the wait and the staleness) and stage
+    commands."""
+    it_dir = checkpoints.iteration_dir(run_dir, i, create=False)
+    wait_s = wait_for(os.path.join(it_dir, "produced.json"), producer.check)
+    batch, adv, meta = read_iteration(it_dir)
+    version = sampled_by(i, staleness)
+    check_version(os.path.join(it_dir, "rollouts.safetensors"), meta, i, staleness,
+                  sampler_path(run_dir, version, base))
+    produced = files.read_json(os.path.join(it_dir, "produced.json"))
+    perf = {**produced["perf"], "perf/wait_s": wait_s, "charts/staleness": i - version}
+    return it_dir, batch, adv, perf, produced["commands"]
 
 
 def mark_produced(it_dir, version, perf, commands):
