@@ -109,21 +109,24 @@ WHITEN_EPS = 1e-8
 def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=True, skipped=None):
     """Generalised advantage estimation (Schulman et al. 2016) over each completion's tokens.
 
-    rewards [N] (r_i, given to the last real token), values [N, T] (V_t), mask [N, T] (a prefix of
-    true per row), kl_per_token [N, T] (β_r·(log π_old − log π_ref), taken from every token's reward).
+    rewards [N] (r_i, given to the last real token), values [N, T] (V_t), mask [N, T] (the policy's
+    tokens: a prefix of true per row, or an episode's policy turns with the environment's between),
+    kl_per_token [N, T] (β_r·(log π_old − log π_ref), taken from every token's reward).
         r_t = −kl_t, plus r_i at the last real token
         δ_t = r_t + γ·V_{t+1} − V_t         with V = 0 after the last real token
         A_t = Σ_l (γλ)^l δ_{t+l} = δ_t + γλ·A_{t+1}
         R_t = A_t + V_t                      the critic's target, before whitening
+    where t + 1 is the policy's next token: the environment's tokens are skipped (the policy did not
+    choose them), so an episode's advantages are those of its policy tokens laid end to end.
     Returns (A [N, T], R [N, T]), float32, 0 where the mask is false; with `whiten`, A is shifted and
     scaled over all real tokens of the batch to mean 0 and std 1 (Bessel), R is not. Skipped rows
     ([N] bool, no reward applied) get A = 0 and R = V, and take no part in the whitening.
     """
     N, T = mask.shape
-    lengths = mask.sum(-1)                                                  # [N]
+    last = T - 1 - mask.flip(-1).int().argmax(-1)                           # [N] the last policy token
     V = torch.where(mask, values.double(), 0.0)                             # [N, T]
     r = torch.zeros(N, T, dtype=torch.float64)                              # [N, T] token rewards
-    r[torch.arange(N), lengths - 1] = rewards.double()
+    r[torch.arange(N), last] = rewards.double()
     if kl_per_token is not None:
         r = r - torch.where(mask, kl_per_token.double(), 0.0)
     A = torch.zeros(N, T, dtype=torch.float64)                              # [N, T]
@@ -131,7 +134,8 @@ def gae_advantages(rewards, values, mask, gamma, lam, kl_per_token=None, whiten=
     for t in reversed(range(T)):
         delta = r[:, t] + gamma * next_V - V[:, t]                          # δ_t                  [N]
         A[:, t] = torch.where(mask[:, t], delta + gamma * lam * next_A, 0.0)
-        next_A, next_V = A[:, t], V[:, t]
+        next_A = torch.where(mask[:, t], A[:, t], next_A)                   # an environment token passes
+        next_V = torch.where(mask[:, t], V[:, t], next_V)                   # A and V on unchanged
     if skipped is not None:
         mask = mask & ~skipped.bool()[:, None]                              # [N, T] rows with a reward
         A = torch.where(mask, A, 0.0)
@@ -180,8 +184,8 @@ def compute_advantages(rewards, group_ids, args, lengths=None, rollouts=None, sk
         kl = None
         if args.kl_in_reward != 0:
             kl = args.kl_in_reward * (rollouts["old_logprobs"] - rollouts["ref_logprobs"])    # [N, T]
-        A, R = gae_advantages(rewards, rollouts["values"], rollouts["completion_mask"], args.gamma, args.lam,
-                              kl, args.whiten, skipped)
+        policy = rollouts.get("loss_mask", rollouts["completion_mask"])      # an episode: the policy's turns
+        A, R = gae_advantages(rewards, rollouts["values"], policy, args.gamma, args.lam, kl, args.whiten, skipped)
         return {"advantages": A, "returns": R, "group_ids": group_ids}
     if args.length_strata > 1:
         order, strata_ids = length_strata(group_ids, lengths, args.length_strata)

@@ -282,7 +282,7 @@ def train_critic(critic, rollouts, returns, args):
     variance of the sampled V_old (how much of the returns' variance the critic predicted)."""
     plan = minibatches.plan(len(rollouts["group_ids"]), args.critic_epochs, args.minibatch_size, args.seed)
     keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "values")
-    rollouts = {**{k: rollouts[k] for k in keys}, "returns": returns,
+    rollouts = {**{k: rollouts[k] for k in keys}, "returns": returns, "policy_tokens": minibatches.policy_tokens(rollouts),
                 "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated)}
     steps, skipped = [], 0
     with modeling.gradient_checkpointing([critic.model], args.gradient_checkpointing):
@@ -297,7 +297,7 @@ def train_critic(critic, rollouts, returns, args):
                for k in ("value_loss", "value_grad_norm", "value_clip_frac", "value_mean")}
     return {**metrics, "critic_steps": len(steps), "critic_skipped_steps": skipped,
             "explained_variance": diagnostics.explained_variance(rollouts["values"], returns,
-                                                                 rollouts["completion_mask"])}
+                                                                 rollouts["policy_tokens"])}
 
 
 def critic_step(critic, rollouts, rows, args):
@@ -338,7 +338,8 @@ def training_rows(policy, rollouts, advantages, args, first_epoch):
     With --rollout-is, each token's importance weight between that π_old and the sampler's q (its
     completion's, --rollout-is-level sequence): sampler_logprobs, or without them the file's old_logprobs,
     the sampling policy's own (the decoupled objective of stale rollouts, docs/numerics.md)."""
-    rollouts = {**rollouts, "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated), "advantages": advantages}
+    rollouts = {**rollouts, "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated), "advantages": advantages,
+                "policy_tokens": minibatches.policy_tokens(rollouts)}
     if args.rollout_is != "none" and "sampler_logprobs" not in rollouts:   # recomputed π_old (π_prox): q is
         rollouts["sampler_logprobs"] = rollouts["old_logprobs"]            # the sampler's own (π_behav)
     if args.old_logprobs == "recompute":   # every rank computes every row: under FSDP a forward is a collective
@@ -348,7 +349,7 @@ def training_rows(policy, rollouts, advantages, args, first_epoch):
     if args.rollout_is != "none":
         rollouts["is_weight"] = rollout_is_weights(rollouts["old_logprobs"], rollouts["sampler_logprobs"],
                                                    args.rollout_is, args.rollout_is_cap, args.rollout_is_level,
-                                                   rollouts["completion_mask"])                    # [N, T]
+                                                   rollouts["policy_tokens"])                      # [N, T]
     return rollouts
 
 

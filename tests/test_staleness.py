@@ -158,3 +158,39 @@ def test_the_decoupled_loss_equals_a_hand_computation_on_three_tokens():
     # plain PPO against the stale sampler (π_old = π_behav) clips a different set: ρ = 2.5, 0.5, 1.5
     stale, _, clipped = update.ppo_clip(theta, behav, A, mask, update.Clip(0.2, 0.2))
     assert torch.allclose(stale, -torch.tensor([[1.2, 0.5, 1.2]])) and clipped["high"].tolist() == [[True, False, True]]
+
+
+def test_a_lora_run_publishes_its_adapters_alone_and_staleness_2_samples_two_versions_behind(tmp_path):
+    run_dir = tmp_path / "lora"
+    r = cli("train.py", "--config", "tiny", "--iterations", 4, "--eval-every", 0, "--staleness", 2, "--lora-r", 4,
+            "--run-dir", run_dir)
+    assert r.code == 0, r.err
+    published = sorted(os.listdir(run_dir / "published"))
+    assert published == ["policy_0002", "policy_0003", "policy_0004"]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(run_dir / "published" / "policy_0004"))
+    assert not (run_dir / "published" / "policy_0004" / "model.safetensors").exists()
+    versions = []
+    for i in range(4):
+        with safe_open(run_dir / f"iter_{i:04d}" / "rollouts.safetensors", framework="pt") as f:
+            versions.append(json.loads(f.metadata()["policy_version"]))
+    assert versions == [0, 0, 0, 1]
+    assert [json.loads((run_dir / f"iter_{i:04d}" / "metrics.json").read_text())["charts/staleness"]
+            for i in range(4)] == [0, 1, 2, 2]
+
+
+def test_a_users_error_in_the_producer_is_its_line_and_the_updates(tmp_path):
+    rewards = tmp_path / "flaky_reward.py"
+    rewards.write_text("calls = 0\n"
+                       "def flaky(prompts, completions, **kw):\n"
+                       "    global calls\n"
+                       "    calls += 1\n"
+                       "    if calls == 3:\n"
+                       "        raise ValueError('the third batch cannot be parsed')\n"
+                       "    return [0.5] * len(completions)\n")
+    r = subprocess.run([sys.executable, "train.py", "--config", "tiny", "--iterations", "5", "--eval-every", "0",
+                        "--staleness", "1", "--reward", f"{rewards}:flaky", "--run-dir", str(tmp_path / "run")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert "train.py: error (the producer process): reward 'flaky' raised ValueError: the third batch" in lines[0]
+    assert "the producer process (sample → score → advantage) ended with exit code 2" in lines[1]

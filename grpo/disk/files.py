@@ -35,6 +35,7 @@ ROLLOUTS = ("rollouts/1", {
     "truncated": ("bool", [("N",)], True),
     "values": ("float", [("N", "T")], False),
     "sampler_logprobs": ("float", [("N", "T")], False),
+    "loss_mask": ("bool", [("N", "T")], False),
 })
 REWARDS = ("rewards/1", {
     "rewards": ("float", [("N",)], True),

@@ -36,11 +36,27 @@ def gae_rollouts(rollouts_file, rewards_file, data, kl_in_reward=0.0):
         bad = torch.nonzero((mask != prefix).any(-1) | ~mask[:, 0]).flatten()
         raise StageError(f"{rollouts_file}: completion_mask of rows {format_rows(bad)} is not a run of "
                          f"true from the first token (GAE needs each completion's tokens in order)")
+    check_loss_mask(rollouts_file, rollouts)
     outside = torch.nonzero(((rollouts["values"] != 0) & ~mask).any(-1)).flatten()
     if len(outside):
         raise StageError(f"{rollouts_file}: 'values' is non-zero where completion_mask is false in rows "
                          f"{format_rows(outside)}; the values and the mask do not belong together")
     return rollouts
+
+
+def check_loss_mask(path, rollouts):
+    """An episode's loss_mask (the policy's tokens) lies within completion_mask and marks at least one
+    token of every row."""
+    if "loss_mask" not in rollouts:
+        return
+    loss_mask = rollouts["loss_mask"]
+    outside = torch.nonzero((loss_mask & ~rollouts["completion_mask"]).any(-1)).flatten()
+    if len(outside):
+        raise StageError(f"{path}: 'loss_mask' is true where completion_mask is false in rows "
+                         f"{format_rows(outside)}; the policy's tokens are completion tokens")
+    empty = torch.nonzero(~loss_mask.any(-1)).flatten()
+    if len(empty):
+        raise StageError(f"{path}: rows {format_rows(empty)} have no token of the policy (loss_mask all false)")
 
 
 def check_token_ids(path, rollouts, model):
@@ -86,6 +102,7 @@ def update_inputs(args):
     if len(empty):
         raise StageError(f"{args.rollouts}: rows {files.format_rows(empty)} have no completion token "
                          f"(completion_mask all false)")
+    check_loss_mask(args.rollouts, rollouts)
     if args.critic and "values" not in rollouts:
         raise StageError(f"{args.rollouts}: no 'values' for --critic; sample with sample.py --critic DIR")
     if args.critic and "returns" not in adv:

@@ -187,7 +187,8 @@ def logprob_mismatch(logp, old_logp, mask):
 
 def rollout_mismatch(rollouts, cap, level="token"):
     """How far the distribution the sampler drew from, q (sampler_logprobs), is from the trainer's
-    π_old (old_logprobs), over the completion tokens, before any step: mean and max |log π_old −
+    π_old (old_logprobs), over the tokens the policy drew (policy_tokens, as update.py:training_rows
+    names them; an episode's environment turns left out), before any step: mean and max |log π_old −
     log q|, an estimate of KL(q‖π_old), the share of tokens whose weight r = π_old/q lies beyond
     the cap C; and the weight of --rollout-is-level before the cap (r per token, or Π_t r_t per
     completion, as update.py:rollout_is_weights makes it): its mean, max and share beyond C.
@@ -196,7 +197,7 @@ def rollout_mismatch(rollouts, cap, level="token"):
     is. k3 (r − 1 − log r) is not: its mean under q is E_q[r] − 1 + KL, and E_q[r] = 1 only where q
     covers π_old's support. Under top-k/top-p/min-p q = π_old/Z on the kept tokens, so E_q[r] = Z (the
     mass kept) and k3 gives Z − 1 − log Z where the KL is −log Z (tests/test_rollout_is.py)."""
-    mask = rollouts["completion_mask"]
+    mask = rollouts.get("policy_tokens", rollouts.get("loss_mask", rollouts["completion_mask"]))    # [N, T]
     x = (rollouts["old_logprobs"] - rollouts["sampler_logprobs"])[mask].double()   # log r, [tokens]
     r = x.clamp(max=20.0).exp()
     log_w = x                                                                        # [tokens]

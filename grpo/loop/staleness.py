@@ -241,11 +241,21 @@ class Producer:
 
 
 def _with_parent_death(target, args):
+    """The producer's process: killed with its parent (Linux), a user's error said in one line as
+    run_cli says it (exit code 2), Ctrl-C left to the update's process to report."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
-    target(*args)
+    try:
+        target(*args)
+    except (StageError, OSError) as e:
+        if isinstance(e, OSError):
+            e = f"{e.filename}: {e.strerror or e}" if e.filename else (e.strerror or str(e))
+        print(f"train.py: error (the producer process): {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def parent_alive(parent_pid):

@@ -18,10 +18,16 @@ def plan(num_rows, epochs, minibatch_size, seed):
                                                            for _ in range(epochs))]
 
 
+def policy_tokens(rollouts):
+    """The completion tokens the policy drew: the rollouts' loss_mask (an episode's, whose environment
+    turns are not the policy's), or without one every completion token. [N, T]"""
+    return rollouts.get("loss_mask", rollouts["completion_mask"])
+
+
 def loss_mask(rollouts, mask_truncated):
-    """The tokens the losses train on: completion_mask, less the truncated rows with `mask_truncated`
-    (--mask-truncated, DAPO's overlong filtering). [N, T]"""
-    mask = rollouts["completion_mask"]
+    """The tokens the losses train on: the policy's (policy_tokens), less the truncated rows with
+    `mask_truncated` (--mask-truncated, DAPO's overlong filtering). [N, T]"""
+    mask = policy_tokens(rollouts)
     return mask & ~rollouts["truncated"][:, None] if mask_truncated else mask
 
 

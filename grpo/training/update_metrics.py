@@ -41,7 +41,7 @@ class UpdateMetrics:
     def add(self, batch, loss, terms):
         """A micro-batch's loss and per-token terms (update.py:micro_batch_loss's)."""
         sums, maxes = self.sums, self.maxes
-        mask, loss_mask = batch["completion_mask"], batch["loss_mask"]         # [n, T]
+        mask, loss_mask = batch["policy_tokens"], batch["loss_mask"]           # [n, T]
         sums["loss"] += loss.item()
         sums["policy_loss"] += terms["policy_loss"].item()
         for name, term in TOKEN_MEANS.items():
