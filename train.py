@@ -75,8 +75,9 @@ CONFIGS = {
                        save_every=50),
 }
 # What --resume may change: nothing that alters the iterations already done.
-RESUMABLE = {"iterations", "device", "sample_device", "eval_every", "eval_prompts", "save_every", "max_bad_steps", "fsdp",
-             "gradient_checkpointing", "prefix_sharing"}
+RESUMABLE = {"iterations", "device", "sample_device", "eval_every", "eval_prompts", "eval_samples", "save_every",
+             "max_bad_steps", "fsdp", "gradient_checkpointing", "prefix_sharing"}
+EVAL_SLOT = 10 ** 9          # the sampler's seed of --eval-samples: a slot no iteration takes
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
 # The stage flags a run sets itself at every iteration (files, models, seeds), not settings.
 OWNED = {"sample.py": {"model", "prompts", "out", "start", "seed", "ref_model", "critic"},
@@ -133,7 +134,8 @@ def train(cfg, run_dir, resume, records):
     held_out_eval = evaluation.HeldOut(
         held_out, models.tokenizer, max_new_tokens=cfg.max_new_tokens, run_dir=run_dir,
         score=lambda rows, rollouts: score.score(rollouts, rows, reward_fns, weights, cfg.on_reward_error),
-        trust_remote_code=cfg.trust_remote_code, micro_batch_size=cfg.micro_batch_size)
+        trust_remote_code=cfg.trust_remote_code, micro_batch_size=cfg.micro_batch_size,
+        sample=cfg.eval_samples and eval_sampler(cfg, held_out, models))
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
     run = Run(cfg, run_dir, models, optimizer, reward_fns, train_records, held_out_eval,
               SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None,
@@ -167,6 +169,16 @@ def train(cfg, run_dir, resume, records):
               f"greedy, {final['eval/skipped_rewards']} without a reward)")
     if main:
         run.writer.close()
+
+
+def eval_sampler(cfg, held_out, models):
+    """--eval-samples n: a function drawing n answers for each held-out record from a policy, by sample.py
+    with the run's settings (τ, truncation, the engine in this process) and one seed for every evaluation."""
+    eval_cfg = argparse.Namespace(**{**vars(cfg), "group_size": cfg.eval_samples, "num_prompts": len(held_out)})
+    args = stage_args("sample.py", eval_cfg, "eval", EVAL_SLOT, 0, {"model": "-", "ref_model": None, "critic": None},
+                      [])
+    return lambda policy, records: sample.rollout(policy, models.tokenizer, records, args,
+                                                  where=("held-out prompts", None), engine=models.engine)
 
 
 def iteration(run, i, resumed_here):

@@ -26,7 +26,7 @@ from grpo.training import optim
 # What each of the run's own settings may be (the stages' are checked by their own RULES).
 RULES = {"iterations": at_least(1), "eval_every": at_least(0), "eval_prompts": at_least(0),
          "save_every": at_least(0), "max_sample_rounds": at_least(1), "critic_warmup": at_least(0),
-         "staleness": at_least(0), "sample_threads": at_least(0)}
+         "staleness": at_least(0), "sample_threads": at_least(0), "eval_samples": at_least(0)}
 
 
 # The estimators that compare a completion with the others of its group (advantage.py refuses G = 1
@@ -135,6 +135,8 @@ def parser(description, configs):
                      help="greedy held-out evaluation at 0, every this many iterations and at the end\n"
                           "(0: none)")
     run.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts evaluated")
+    run.add_argument("--eval-samples", type=int, default=0, metavar="n",
+                     help="n: also sample n answers a held-out prompt at τ; pass@1, pass@k, maj@n (0: greedy only)")
     run.add_argument("--save-every", type=int, default=10,
                      help="save policy/ (the resume point) and keep checkpoints/iter_XXXX this often")
     run.add_argument("--critic-warmup", type=int, default=0, metavar="K",
