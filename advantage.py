@@ -289,7 +289,7 @@ def main(argv=None):
                                  data.get("skipped"))
     files.save_tensors(args.out, tensors, files.ADVANTAGES[0], vars(args), made_from=made_from)
     if rollouts is not None:
-        mask = rollouts["completion_mask"]                                                     # [N, T]
+        mask = rollouts.get("loss_mask", rollouts["completion_mask"])             # the policy's tokens [N, T]
         print(f"gae advantages for {mask.sum().item()} tokens of {mask.shape[0]} completions "
               f"(γ {args.gamma}, λ {args.lam}{', whitened' if args.whiten else ''}): mean return at the first "
               f"token {tensors['returns'][:, 0].mean().item():.4f}; wrote {args.out}")

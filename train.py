@@ -135,7 +135,7 @@ def train(cfg, run_dir, resume, records):
         held_out, models.tokenizer, max_new_tokens=cfg.max_new_tokens, run_dir=run_dir,
         score=lambda rows, rollouts: score.score(rollouts, rows, reward_fns, weights, cfg.on_reward_error),
         trust_remote_code=cfg.trust_remote_code, micro_batch_size=cfg.micro_batch_size,
-        sample=cfg.eval_samples and eval_sampler(cfg, held_out, models))
+        sample=eval_sampler(cfg, held_out, models) if cfg.eval_samples else None)
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
     run = Run(cfg, run_dir, models, optimizer, reward_fns, train_records, held_out_eval,
               SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None,
@@ -156,11 +156,13 @@ def train(cfg, run_dir, resume, records):
     finally:
         if run.producer is not None:
             run.producer.stop()
-        for saver in (run.saver, run.publisher):
-            if saver is not None:
-                saver.wait()                  # no save is left half-written, whatever ended the loop
-        if models.engine is not None:
-            models.engine.close()
+        try:
+            run.saver.wait()                  # no save is left half-written, whatever ended the loop
+        finally:
+            if run.publisher is not None:
+                run.publisher.wait()
+            if models.engine is not None:
+                models.engine.close()
     if main and cfg.eval_every:
         final = held_out_eval(models.sampler, models.ref, models.base, cfg.iterations)
         run_log.log_scalars(run.writer, final, cfg.iterations)
@@ -244,7 +246,7 @@ def produce(cfg, i, it_dir, models, paths, records, reward_fns, perf, commands):
     advantage_args = stage_args("advantage.py", cfg, it_dir, i, i, paths, commands)
     adv = advantage.compute_advantages(rewards, rollouts["group_ids"], advantage_args, lengths, rollouts, skipped)
     batch["samples"] = runs.with_outputs(batch["samples"], rewards, batch["components"], skipped, adv["advantages"],
-                                         rollouts["completion_mask"])
+                                         rollouts.get("loss_mask", rollouts["completion_mask"]))
     if cfg.staleness:                   # the behaviour policy's log-probs, which the update weighs against
         rollouts.setdefault("sampler_logprobs", rollouts["old_logprobs"].clone())
     with runs.timed(perf, "perf/io_s"):
@@ -262,6 +264,7 @@ def producer(cfg, run_dir, done, records, parent_pid, threads):
     models, reward_fns, loaded, engine = None, None, None, None
     try:
         for i in range(done, cfg.iterations):
+            alive()                     # a producer whose update process is gone writes nothing more
             version, perf, commands = staleness.sampled_by(i, cfg.staleness), {}, []
             if version != loaded:
                 base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)

@@ -249,8 +249,8 @@ def set_lr(optimizer, lr, args):
 
 def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
     """One micro-batch's share of the minibatch loss (with its gradient) and its per-token terms."""
-    mask, loss_mask = batch["completion_mask"], batch["loss_mask"]                          # [n, T]
-    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask)
+    loss_mask = batch["loss_mask"]                                                         # [n, T]
+    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"])
     ref_logp = batch.get("ref_logprobs")                                                   # [n, T]
     if ref_model is not None:
         with torch.no_grad():
@@ -261,7 +261,7 @@ def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
         share_prefix=args.prefix_sharing)                                                  # log π_θ [n, T]
     A = batch["advantages"][:, None] if batch["advantages"].dim() == 1 else batch["advantages"]   # [n, 1] or [n, T]
     policy_loss = POLICY_LOSSES[args.policy_loss][0]
-    pg_loss, ratio, clipped = policy_loss(logp, batch["old_logprobs"], A, mask,
+    pg_loss, ratio, clipped = policy_loss(logp, batch["old_logprobs"], A, batch["policy_tokens"],
                                           Clip(args.clip_eps, args.clip_eps_high, args.dual_clip))   # [n, T]
     if "is_weight" in batch:                      # the sampler's tokens reweighed to π_old (--rollout-is)
         pg_loss = batch["is_weight"] * pg_loss

@@ -20,14 +20,16 @@ def episode(rollouts):
     return {**rollouts, "loss_mask": mask & ~env, "sampler_logprobs": rollouts["old_logprobs"] - 0.05}, env & mask
 
 
-def test_nothing_of_the_update_reaches_the_environments_tokens(models, rollout_dir):
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "dual_clip", "cispo"])
+def test_nothing_of_the_update_reaches_the_environments_tokens(models, rollout_dir, policy_loss):
     rollouts, env = episode(rollouts_of(rollout_dir))
     N, T = rollouts["completion_mask"].shape
     adv = torch.linspace(-1, 1, N * T).reshape(N, T)                                  # per token [N, T]
     perturbed = {**rollouts, "old_logprobs": rollouts["old_logprobs"] + 0.5 * env,
                  "ref_logprobs": rollouts["ref_logprobs"] - 0.7 * env,
                  "sampler_logprobs": rollouts["sampler_logprobs"] + 0.3 * env}
-    flags = dict(beta=0.04, entropy_coef=0.01, rollout_is="tis", rollout_is_level="sequence", clip_eps=0.1)
+    flags = dict(beta=0.04, entropy_coef=0.01, rollout_is="tis", rollout_is_level="sequence", clip_eps=0.1,
+                 policy_loss=policy_loss)
     a, ma = run_update(models["policy"], rollouts, adv, **flags)
     b, mb = run_update(models["policy"], perturbed, adv + 5.0 * env, **flags)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):

@@ -214,7 +214,7 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
         prompting.render_prompts(rows, models.tokenizer, source, max_len, lines)
     if cfg.algo == "ppo":
         models.critic_init, models.critic = start_critic(cfg, run_dir, base, done, device)
-    if cfg.engine == "vllm":                  # one engine for the run, given each update's weights in place
+    if cfg.engine == "vllm" and (not cfg.staleness or cfg.eval_samples):   # --staleness: the producer's
         models.engine = vllm_engine.start(sampler, loading.model_dir(base), cfg.max_new_tokens,
                                           cfg.num_prompts * cfg.group_size)
     state = os.path.join(path, "optimizer.safetensors") if done else None
@@ -248,12 +248,12 @@ def model_paths(models, policy_path, i):
     return {"model": policy_path, "ref_model": models.base if models.ref else None, "critic": critic}
 
 
-def with_outputs(samples, rewards, components, skipped, advantages, completion_mask):
+def with_outputs(samples, rewards, components, skipped, advantages, policy_tokens):
     """samples.jsonl's rows with the stages' outputs: "reward" (the weighted total, null for a skipped
     row), "rewards" (each function's, null where it does not apply) and "advantage" (A_i, or for PPO's
-    per-token advantages their mean over the completion's tokens)."""
+    per-token advantages their mean over the policy's tokens `policy_tokens` [N, T])."""
     if advantages.dim() == 2:                                               # [N, T] -> [N]
-        advantages = (advantages * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1)
+        advantages = (advantages * policy_tokens).sum(-1) / policy_tokens.sum(-1).clamp(min=1)
     rows = []
     for n, row in enumerate(samples):
         per_function = {k: None if v[n].isnan() else v[n].item() for k, v in components.items()}

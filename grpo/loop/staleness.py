@@ -85,8 +85,10 @@ def publish(model, tokenizer, run_dir, version, saver):
 def prune(run_dir, oldest):
     """Remove the published versions before `oldest` (a save keeps its own links to the ones it needs)."""
     for path in glob.glob(os.path.join(run_dir, "published", "policy_[0-9][0-9][0-9][0-9]")):
-        if int(path[-4:]) < oldest:
-            shutil.rmtree(path)
+        if int(path[-4:]) < oldest:         # renamed first: a kill mid-way leaves no half version
+            old = files.scratch_name(path, "old")
+            os.rename(path, old)
+            shutil.rmtree(old)
 
 
 def kept_for_resume(run_dir, done, staleness):
@@ -111,8 +113,7 @@ def restore(run_dir, done):
         if int(path[-4:]) >= done:
             shutil.rmtree(path)
     for path in sorted(glob.glob(os.path.join(run_dir, "policy", "published", "policy_[0-9][0-9][0-9][0-9]"))):
-        if not os.path.isdir(os.path.join(published, os.path.basename(path))):
-            checkpoints.link_tree(path, os.path.join(published, os.path.basename(path)))
+        checkpoints.link_tree(path, os.path.join(published, os.path.basename(path)))    # whole, from the save
 
 
 def start(run_dir, done, sample_threads, policy, tokenizer, publisher, target, args):
@@ -172,7 +173,7 @@ def wait_for(path, alive):
     while not os.path.exists(path):
         try:
             alive()
-        except BaseException:
+        except (StageError, SystemExit):
             if not os.path.exists(path):
                 raise
         time.sleep(POLL_S)
@@ -247,6 +248,8 @@ def _with_parent_death(target, args):
         import ctypes
         import signal
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+    if os.getppid() != multiprocessing.parent_process().pid:            # orphaned before the line above
+        sys.exit(1)
     try:
         target(*args)
     except (StageError, OSError) as e:
