@@ -38,7 +38,8 @@ def test_every_estimator_is_computed_and_registered_by_what_it_needs(estimator):
         refuses_one = True
     assert refuses_one == (estimator in runs.GROUP_RELATIVE), estimator
     cfg = argparse.Namespace(algo="grpo", estimator=estimator, group_size=1, dynamic_sampling=False,
-                             length_strata=1, eval_every=0, eval_prompts=0, critic_warmup=0, rollout_is="none")
+                             length_strata=1, eval_every=0, eval_prompts=0, critic_warmup=0, rollout_is="none",
+                             staleness=0, old_logprobs=None)
     if refuses_one:
         with pytest.raises(StageError, match="G must be at least 2"):
             runs.check_combinations(cfg)

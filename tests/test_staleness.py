@@ -162,9 +162,11 @@ def test_the_decoupled_loss_equals_a_hand_computation_on_three_tokens():
 
 def test_a_lora_run_publishes_its_adapters_alone_and_staleness_2_samples_two_versions_behind(tmp_path):
     run_dir = tmp_path / "lora"
+    threads = torch.get_num_threads()
     r = cli("train.py", "--config", "tiny", "--iterations", 4, "--eval-every", 0, "--staleness", 2, "--lora-r", 4,
             "--run-dir", run_dir)
     assert r.code == 0, r.err
+    assert torch.get_num_threads() == threads        # the run in this process gave its threads back
     published = sorted(os.listdir(run_dir / "published"))
     assert published == ["policy_0002", "policy_0003", "policy_0004"]
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(run_dir / "published" / "policy_0004"))

@@ -122,8 +122,11 @@ def start(run_dir, done, sample_threads, policy, tokenizer, publisher, target, a
     restore(run_dir, done)
     if done:
         publish(policy, tokenizer, run_dir, done, publisher)
+    before = torch.get_num_threads()
     threads = split_threads(sample_threads)
-    return Producer(target, (*args, os.getpid(), threads), threads)
+    producer = Producer(target, (*args, os.getpid(), threads), threads)
+    producer.threads_before = before          # what stop() gives this process back
+    return producer
 
 
 def receive(run_dir, i, staleness, base, producer):
@@ -224,7 +227,7 @@ class Producer:
     which dies with this process (Linux's parent-death signal) so that a killed run leaves no writer."""
 
     def __init__(self, target, args, threads):
-        self.threads = threads
+        self.threads, self.threads_before = threads, torch.get_num_threads()
         self.process = multiprocessing.get_context("spawn").Process(
             target=_with_parent_death, args=(target, args), name="grpo-producer", daemon=True)
         self.process.start()
@@ -236,9 +239,12 @@ class Producer:
                              f"{self.process.exitcode}; the run stops at its last save (--resume continues both)")
 
     def stop(self):
+        """End the producer (if it still runs) and give this process its threads back: a caller that
+        runs train.py's main in-process (the tests, experiments/claims.py) keeps its own count."""
         if self.process.is_alive():
             self.process.terminate()
         self.process.join()
+        torch.set_num_threads(self.threads_before)
 
 
 def _with_parent_death(target, args):
