@@ -52,6 +52,13 @@ ADVANTAGES = ("advantages/1", {
 _DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
 
 
+def reward_components(path):
+    """Each reward function's values [N] in a rewards file (score.py writes them as "reward/NAME"),
+    by name; a file without them gives {}."""
+    with safe_open(path, framework="pt") as f:
+        return {k.removeprefix("reward/"): f.get_tensor(k) for k in f.keys() if k.startswith("reward/")}
+
+
 def save_tensors(path, tensors, schema, args, **metadata):
     """Write `tensors` with metadata {"schema", "args", and any other entries, as JSON} through
     safetensors' own writer; the file appears complete or not at all."""

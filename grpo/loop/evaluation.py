@@ -189,9 +189,7 @@ def main(argv=None):
     samples = files.read_jsonl(os.path.join(args.dir, "samples.jsonl"))
     path = os.path.join(args.dir, "rewards.safetensors")
     rewards, _, _ = files.load_tensors(path, files.REWARDS)
-    from safetensors import safe_open
-    with safe_open(path, framework="pt") as f:
-        components = {k.removeprefix("reward/"): f.get_tensor(k) for k in f.keys() if k.startswith("reward/")}
+    components = files.reward_components(path)
     if len(samples) != rewards["rewards"].numel():
         raise StageError(f"{path}: {rewards['rewards'].numel()} rows, samples.jsonl has {len(samples)}")
     print(json.dumps(sampled_eval(rewards["group_ids"].tolist(), [s["completion"] for s in samples], components),

@@ -180,14 +180,18 @@ class Models:
     tokenizer_fingerprint: str = None   # what the rollouts record of the tokenizer (grpo/disk/provenance.py)
 
 
+def load_rewards(cfg, device):
+    """The run's reward functions, by its --reward SPECs (a reward model on `device`)."""
+    return [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code) for s in cfg.reward]
+
+
 def start(cfg, run_dir, done, records, held_out_lines=None):
     """Rewards (checked against the fields of the `records`: [(rows, file, lines)]), config.json (with the
     lines of --prompts held out for evaluation, if any), the models (the policy from the last save
     when resuming) with every record checked to fit the model's context, and AdamW (update.train_policy
     sets its learning rate and weight decay from the update's arguments at every step)."""
     device = distributed.pick_device(cfg.device)
-    reward_fns = [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code)
-                  for s in cfg.reward]
+    reward_fns = load_rewards(cfg, device)
     for rows, source, _ in records:
         reward_specs.check_fields(reward_fns, rows, source)
     held_out = {"held_out": {"prompts": cfg.prompts, "lines": held_out_lines}} if held_out_lines else {}

@@ -31,7 +31,6 @@ from grpo.cli import StageError
 from grpo.disk import checkpoints, files, provenance
 from grpo.loop import runs
 from grpo.models import distributed, loading, vllm_engine
-from grpo.rewards import reward_specs
 
 POLL_S = 0.02          # how often a waiting process looks for the file it waits for
 
@@ -42,9 +41,7 @@ def producer_models(cfg, base, path, reward_fns=None, engine=None):
     and with --engine vllm the one engine, given this version's weights. Returns (models, reward
     functions, engine)."""
     device = distributed.pick_device(cfg.sample_device or cfg.device)
-    if reward_fns is None:
-        reward_fns = [reward_specs.load_reward(s, device, cfg.micro_batch_size, cfg.trust_remote_code)
-                      for s in cfg.reward]
+    reward_fns = runs.load_rewards(cfg, device) if reward_fns is None else reward_fns
     policy = lora.load_policy(path, device, cfg)
     ref = None
     if cfg.ref_logprobs == "rollouts" and cfg.beta != 0:
@@ -122,11 +119,9 @@ def start(run_dir, done, sample_threads, policy, tokenizer, publisher, target, a
     restore(run_dir, done)
     if done:
         publish(policy, tokenizer, run_dir, done, publisher)
-    before = torch.get_num_threads()
+    before = torch.get_num_threads()          # what the producer's stop() gives this process back
     threads = split_threads(sample_threads)
-    producer = Producer(target, (*args, os.getpid(), threads), threads)
-    producer.threads_before = before          # what stop() gives this process back
-    return producer
+    return Producer(target, (*args, os.getpid(), threads), threads, before)
 
 
 def receive(run_dir, i, staleness, base, producer):
@@ -159,8 +154,7 @@ def read_iteration(it_dir):
         meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items() if k != "schema"}
     path = os.path.join(it_dir, "rewards.safetensors")
     rewards, _, _ = files.load_tensors(path, files.REWARDS)
-    with safe_open(path, framework="pt") as f:
-        components = {k.removeprefix("reward/"): f.get_tensor(k) for k in f.keys() if k.startswith("reward/")}
+    components = files.reward_components(path)
     adv, _, _ = files.load_tensors(os.path.join(it_dir, "advantages.safetensors"), files.ADVANTAGES)
     batch = {"records": files.read_jsonl(os.path.join(it_dir, "prompts.jsonl")), "rollouts": rollouts,
              "samples": files.read_jsonl(os.path.join(it_dir, "samples.jsonl")), "rewards": rewards["rewards"],
@@ -226,8 +220,8 @@ class Producer:
     """The producer process: `target(*args)` in a fresh interpreter (spawn: no torch state forked),
     which dies with this process (Linux's parent-death signal) so that a killed run leaves no writer."""
 
-    def __init__(self, target, args, threads):
-        self.threads, self.threads_before = threads, torch.get_num_threads()
+    def __init__(self, target, args, threads, threads_before):
+        self.threads, self.threads_before = threads, threads_before
         self.process = multiprocessing.get_context("spawn").Process(
             target=_with_parent_death, args=(target, args), name="grpo-producer", daemon=True)
         self.process.start()
