@@ -11,7 +11,9 @@ Writes  --out DIR/rollouts.safetensors   (schema rollouts/1, N = B·G rows; docs
             ref_logprobs [N, T] f32 (with --ref-model)    truncated [N] bool
             values [N, T] f32 (with --critic: PPO's V_t, read where the logits of token t are)
             sampler_logprobs [N, T] f32 (with --top-k/--top-p/--min-p or --engine vllm: log q of the draw)
+            loss_mask [N, T] bool (with --env: true on the policy's tokens, false on the environment's)
         --out DIR/samples.jsonl  one object per row: group, prompt, completion, and the record's fields
+                                 (with --env: the turns and the environment's fields too)
 
 Example:
     python sample.py --model ckpt/ --prompts prompts.jsonl --out it0/ --group-size 8 \\
@@ -37,6 +39,11 @@ Choices where the paper and docs/formats.md are silent:
 - --engine vllm has vLLM draw the completions instead (grpo/models/vllm_engine.py); log π_old is then the
   policy's forward over them (modeling.rollout_logprobs, as update.py computes it) and the engine's
   own log-probs are sampler_logprobs, which update.py --rollout-is reweighs (docs/numerics.md).
+- --env SPEC plays episodes (grpo/rewards/environments.py, docs/environments.md): each policy turn is
+  sampled as above from the prompt and every turn before it, prefilled anew (a KV cache kept across
+  turns would save that prefill; turns run for the rows still playing, so a batch takes as many decode
+  loops as its longest episode has turns), and the environment's reply is tokenized once and appended:
+  no id is ever re-tokenized. --max-new-tokens is the budget of all turns together.
 - All rows are sampled from one seeded generator in --micro-batch-size chunks: a sample is
   reproducible for a given seed and micro-batch size. Under torchrun rank r samples a contiguous
   share of whole groups with the seed distributed.rank_seed(seed, r), and rank 0 writes them all.
@@ -54,7 +61,7 @@ from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
 from grpo.disk import files, outputs, provenance
 from grpo.loop.rollouts import concat_rollouts, sample_rows, stack_completions
 from grpo.models import distributed, fast_decode, loading, modeling, vllm_engine
-from grpo.rewards import prompting
+from grpo.rewards import environments, prompting
 from grpo.settings import above, at_least, between
 
 
@@ -97,14 +104,15 @@ def draw(probs, generator):
 
 @torch.inference_mode()
 def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids, pad_id,
-                       generator, progress=None, share_prefix=True, top_k=0, top_p=1.0, min_p=0.0):
+                       generator, progress=None, share_prefix=True, top_k=0, top_p=1.0, min_p=0.0, stop=None):
     """Draw one completion per row: token t ~ q_t = softmax(truncate(logits_t / τ)), top-k, top-p and
     min-p applied after τ; its log-prob is the model's at τ, log_softmax(logits_t / τ), untruncated;
     with a truncation on, also log q_t(token), the distribution it was drawn from (renormalised).
 
     prompt_ids/prompt_mask [n, P]. Returns the rollouts' completion columns: completion_ids [n, T],
     completion_mask [n, T], old_logprobs [n, T] (at τ), truncated [n] and, with a truncation,
-    sampler_logprobs [n, T]; T <= max_new_tokens.
+    sampler_logprobs [n, T]; T <= max_new_tokens. `stop(tokens)`, given the list of tokens [n] drawn so
+    far, says which rows have just written a stop string [n] (an episode's tool call): it ends them as EOS.
     """
     n = prompt_ids.shape[0]
     eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
@@ -128,7 +136,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
             sampler_logprobs.append(torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1))
         masks.append(~finished)
         tokens.append(torch.where(finished, pad_id, token))
-        finished = finished | torch.isin(token, eos)
+        finished = finished | torch.isin(token, eos) | (stop(tokens) if stop else False)
         if progress is not None:
             progress.update(1)
         if finished.all() or step == max_new_tokens - 1:       # no forward whose logits go unused
@@ -169,19 +177,32 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
 
+    envs = None
     if engine is not None:                            # vLLM draws them all (grpo/models/vllm_engine.py)
         parts = [engine.sample(prompt_ids, prompt_mask, G, eos_ids, tokenizer.pad_token_id, generator,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                top_p=args.top_p, min_p=args.min_p, ignore_eos=args.ignore_eos)]
     else:                                             # per micro-batch: its completion columns
-        parts = []
+        parts, turns = [], []
+        envs = args.env and environments.make(args.env, records, G)        # one per row, reset with its record
+        stop = envs and environments.stop_strings(tokenizer, getattr(envs[0], "stop", ()))
+        chats = [prompting.chat_of(record) is not None for record in records for _ in range(G)]        # [N]
         with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
               fast_decode.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed
             for rows in distributed.row_slices(N, args.micro_batch_size):
-                parts.append(sample_completions(
-                    policy, prompt_ids[rows], prompt_mask[rows], args.max_new_tokens, args.temperature,
-                    eos_ids, tokenizer.pad_token_id, generator, progress=bar, share_prefix=args.prefix_sharing,
-                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p))
+                def sample_turn(ids, mask, budget):
+                    return sample_completions(policy, ids, mask, budget, args.temperature, eos_ids,
+                                              tokenizer.pad_token_id, generator, progress=bar,
+                                              share_prefix=args.prefix_sharing, top_k=args.top_k, top_p=args.top_p,
+                                              min_p=args.min_p, stop=stop)
+                if not envs:
+                    parts.append(sample_turn(prompt_ids[rows], prompt_mask[rows], args.max_new_tokens))
+                    continue
+                columns, played = environments.sample_episodes(
+                    prompt_ids[rows], prompt_mask[rows], envs[rows], chats[rows], tokenizer, eos_ids,
+                    args.max_new_tokens, args.max_turns, sample_turn)
+                parts.append(columns)
+                turns += played
     tensors = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "group_ids": group_ids,
                **stack_completions(parts, tokenizer.pad_token_id)}                       # [N, T] and [N]
     if engine is not None:                             # the trainer's forward, as update.py computes it
@@ -193,7 +214,10 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     if critic is not None:
         tensors["values"] = modeling.rollout_values(critic, tensors, args.micro_batch_size,
                                                     args.prefix_sharing)                       # [N, T]
-    return tensors, sample_rows(tensors, records, texts, tokenizer)
+    samples = sample_rows(tensors, records, texts, tokenizer)
+    if envs:
+        samples = [environments.episode_row(s, t, e) for s, t, e in zip(samples, turns, envs)]
+    return tensors, samples
 
 
 def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("prompts", None), critic=None,
@@ -263,6 +287,9 @@ def build_parser():
     draws.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     draws.add_argument("--engine", choices=["sampler", "vllm"], default="sampler",
                        help="what draws the tokens: the project's sampler (default) or vLLM")
+    draws.add_argument("--env", default=None, metavar="SPEC",
+                       help="episodes with an environment: calculator, module:NAME or file.py:NAME")
+    draws.add_argument("--max-turns", type=int, default=4, help="policy turns an episode may take, with --env (4)")
     draws.add_argument("--ignore-eos", action="store_true",
                        help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     mem = p.add_argument_group("memory and devices")
@@ -279,13 +306,18 @@ def build_parser():
 RULES = {"group_size": at_least(1), "num_prompts": at_least(1), "start": at_least(0),
          "max_new_tokens": at_least(1), "temperature": above(0), "top_k": at_least(0),
          "top_p": between(0, 1, lo_open=True), "min_p": between(0, 1), "micro_batch_size": at_least(0),
-         **lora.RULES}
+         "max_turns": at_least(1), **lora.RULES}
 
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     settings.check(args, RULES)
     vllm_engine.check(args)
+    if args.env and args.engine == "vllm":
+        raise StageError("--env runs episodes with the project's sampler, turn by turn on token ids; "
+                         "use --engine sampler")
+    if args.env:
+        environments.load_env(args.env)              # a bad SPEC stops here, before any model is loaded
     return args
 
 

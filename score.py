@@ -165,14 +165,15 @@ def finite_number(v):
 
 def trl_inputs(samples):
     """prompts and completions as TRL passes them: strings, or for a chat prompt ("messages") the
-    message list and [{"role": "assistant", "content": completion}]."""
+    message list and [{"role": "assistant", "content": completion}]; an episode's completion is its
+    turns, the policy's and the environment's, as that list (whatever the prompt)."""
     prompts, completions = [], []
     for s in samples:
         chat = s.get("messages")
         conversational = isinstance(chat, list)
         prompts.append(chat if conversational else s["prompt"])
-        completions.append([{"role": "assistant", "content": s["completion"]}] if conversational
-                           else s["completion"])
+        completions.append(s["turns"] if "turns" in s else [{"role": "assistant", "content": s["completion"]}]
+                           if conversational else s["completion"])
     return prompts, completions
 
 

@@ -135,7 +135,8 @@ def train(cfg, run_dir, resume, records):
         held_out, models.tokenizer, max_new_tokens=cfg.max_new_tokens, run_dir=run_dir,
         score=lambda rows, rollouts: score.score(rollouts, rows, reward_fns, weights, cfg.on_reward_error),
         trust_remote_code=cfg.trust_remote_code, micro_batch_size=cfg.micro_batch_size,
-        sample=eval_sampler(cfg, held_out, models) if cfg.eval_samples else None)
+        sample=eval_sampler(cfg, held_out, models) if cfg.eval_samples and held_out else None,
+        episodes=eval_sampler(cfg, held_out, models, greedy=True) if cfg.env and held_out else None)
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
     run = Run(cfg, run_dir, models, optimizer, reward_fns, train_records, held_out_eval,
               SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None,
@@ -173,10 +174,13 @@ def train(cfg, run_dir, resume, records):
         run.writer.close()
 
 
-def eval_sampler(cfg, held_out, models):
+def eval_sampler(cfg, held_out, models, greedy=False):
     """--eval-samples n: a function drawing n answers for each held-out record from a policy, by sample.py
-    with the run's settings (τ, truncation, the engine in this process) and one seed for every evaluation."""
+    with the run's settings (τ, truncation, the engine in this process) and one seed for every evaluation;
+    greedy: one answer each, the likeliest token at each step (top-k 1, τ 1: --env's episodes)."""
     eval_cfg = argparse.Namespace(**{**vars(cfg), "group_size": cfg.eval_samples, "num_prompts": len(held_out)})
+    if greedy:
+        eval_cfg.__dict__.update(group_size=1, top_k=1, top_p=1.0, min_p=0.0, temperature=1.0)
     args = stage_args("sample.py", eval_cfg, "eval", EVAL_SLOT, 0, {"model": "-", "ref_model": None, "critic": None},
                       [])
     return lambda policy, records: sample.rollout(policy, models.tokenizer, records, args,
@@ -324,7 +328,7 @@ def iteration_metrics(run, i, batch, lengths, losses, perf, held_out_metrics):
     completions = [s["completion"] for s in batch["samples"]]
     metrics = {"iteration": i, **diagnostics.iteration_metrics(
         rollouts, rewards, batch["components"], skipped, completions, cfg.group_size),
-        **diagnostics.update_metrics(losses), **perf,
+        **diagnostics.update_metrics(losses), **diagnostics.episode_metrics(batch["samples"], batch["records"]), **perf,
         "perf/tokens_per_s": lengths.sum().item() / perf["perf/sample_s"]}
     if distributed.is_main() and i == 0 and cfg.algo == "grpo":
         spread = diagnostics.reward_spread(rewards, cfg.group_size, skipped)

@@ -25,6 +25,7 @@ imports no stage. tests/test_formats.py checks this map against the files.
       tasks           built-in prompt sets and the rule rewards that score them
       reward_specs    reward functions by --reward SPEC: built-in, the user's function, a reward model
       math_reward     the built-in `math` reward: math-verify in a worker process
+      environments    --env SPEC: the contract of multi-turn episodes, the tool helper, the calculator
     training/         the update's machinery
       optim           AdamW: construction, lr schedule, clipping, skipped steps
       minibatches     the update's minibatches, the loss mask, gradient accumulation's bookkeeping

@@ -57,3 +57,9 @@ def accuracy_reward(completions, solution, **kwargs):
 def nothing(prompts, completions, **fields):
     """0 for every completion: with PPO's zero-initialised critic head, every GAE advantage and return is 0."""
     return [0.0] * len(completions)
+
+
+def turns_and_seen(prompts, completions, seen, **fields):
+    """An episode's turns (its completion, in TRL's conversational shape) and its environment's field
+    `seen`, as one number: 10 × turns + the environment's count of the policy's turns."""
+    return [float(len(c) * 10 + len(s)) for c, s in zip(completions, seen)]

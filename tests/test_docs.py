@@ -23,7 +23,7 @@ import re
 from conftest import ROOT
 
 README_MAX_LINES = 250
-PLACEHOLDERS = {"path/file.py:function", "file.py:function"}
+PLACEHOLDERS = {"path/file.py:function", "file.py:function", "path/file.py:NAME", "file.py:NAME"}
 CODE_REF = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")

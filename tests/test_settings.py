@@ -34,8 +34,11 @@ PPO_KNOBS = {
     "vf_coef": 0.5, "value_clip": 0.3, "ignore_eos": True,
     "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.05, "lora_target_modules": ["q_proj", "v_proj"],
 }
-# Knobs another test gives a run: --engine vllm starts vLLM, which runs in its own process there.
-ELSEWHERE = {"engine": "tests/test_vllm.py::test_train_keeps_one_engine_that_follows_the_updates_and_learns"}
+# Knobs another test gives a run: --engine vllm starts vLLM, which runs in its own process there; an
+# environment's episodes need a task and a reward of their own.
+LEARNS_A_TOOL = "tests/test_episodes.py::test_the_tiny_configuration_learns_to_call_a_tool_it_cannot_answer_without"
+ELSEWHERE = {"engine": "tests/test_vllm.py::test_train_keeps_one_engine_that_follows_the_updates_and_learns",
+             "env": LEARNS_A_TOOL, "max_turns": LEARNS_A_TOOL}
 # Where each stage's arguments are recorded in a run folder.
 RECORDED = {"sample.py": "iter_0001/rollouts.safetensors", "score.py": "iter_0001/rewards.safetensors",
             "advantage.py": "iter_0001/advantages.safetensors", "update.py": "policy/optimizer.safetensors"}

@@ -20,6 +20,7 @@ from collections import Counter
 import torch
 
 from grpo.groups import group_mean_std, no_signal_groups
+from grpo.rewards import prompting
 
 # A batch where more than this share of groups has all-equal rewards trains on almost nothing.
 NO_SIGNAL_WARN = 0.5
@@ -248,3 +249,14 @@ def explained_variance(values, returns, mask):
     if R.numel() < 2 or R.var() == 0:
         return None
     return (1 - (R - V).var() / R.var()).item()
+
+
+def episode_metrics(samples, records, prefix="env/"):
+    """--env's episodes: the policy's turns an episode (env/policy_turns) and the mean of each number the
+    environment gave its rows (env/NAME, for example env/tool_calls); nothing for single-turn rows."""
+    if not samples or "turns" not in samples[0]:
+        return {}
+    own = {k for r in records for k in r} | set(prompting.ROW_COLUMNS)
+    names = sorted(k for k, v in samples[0].items() if k not in own and type(v) in (int, float))
+    return {f"{prefix}policy_turns": sum(sum(t["role"] == "assistant" for t in s["turns"]) for s in samples) / len(samples),
+            **{f"{prefix}{k}": sum(s[k] for s in samples) / len(samples) for k in names}}

@@ -18,6 +18,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from grpo.cli import ArgumentParser, StageError, run_cli
 from grpo.disk import files
+from grpo.loop import diagnostics
 from grpo.models import distributed, loading, modeling
 from grpo.models.distributed import row_slices
 from grpo.rewards import prompting
@@ -86,13 +87,19 @@ class Progress(StoppingCriteria):
 
 
 @torch.inference_mode()
-def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch_size=0, desc="eval"):
+def greedy_answers(model, tokenizer, records, score, max_new_tokens, micro_batch_size=0, desc="eval", episodes=None):
     """Greedy completions of the prompt records and their rewards: (texts, completions, rewards [n],
     skipped [n], lengths [n], components: each reward function's [n], NaN where it does not apply). transformers' generate does the decoding, `micro_batch_size` rows at a
     time (0: all), under a progress bar: no log-probs are needed here, and the explicit config keeps a
     model's own generation settings (sampling, penalties) out of it. `score(rows, rollouts)` returns
     (rewards [n], components, skipped [n]) as score.score does for training, with its weights and
-    --on-reward-error."""
+    --on-reward-error. With --env, `episodes(model, records)` plays them instead (sample.py's episodes at
+    top-k 1), returning the rollouts and samples.jsonl rows whose completions are scored."""
+    if episodes is not None:
+        rollouts, rows = episodes(model, records)
+        rewards, components, skipped = score(rows, rollouts)
+        return ([s["prompt"] for s in rows], [s["completion"] for s in rows], rewards, skipped,
+                rollouts["completion_mask"].sum(-1).float().cpu(), components)
     device = next(model.parameters()).device
     texts, token_lists = prompting.render_prompts(records, tokenizer, "held-out prompts", None)
     prompt_ids, prompt_mask = prompting.left_pad(token_lists, tokenizer.pad_token_id)        # [n, P]
@@ -126,8 +133,9 @@ class HeldOut:
     model in memory, else from the reference model (loaded from `ref_dir` if need be)."""
 
     def __init__(self, records, tokenizer, score, max_new_tokens, run_dir, trust_remote_code=False,
-                 micro_batch_size=0, sample=None):
+                 micro_batch_size=0, sample=None, episodes=None):
         self.records, self.tokenizer, self.score = records, tokenizer, score
+        self.episodes = episodes       # --env: (model, records) → greedy episodes' rollouts and samples
         self.max_new_tokens, self.run_dir, self.trust_remote_code = max_new_tokens, run_dir, trust_remote_code
         self.micro_batch_size = micro_batch_size
         self.sample = sample           # --eval-samples n: (policy, records) → n sampled rollouts a record
@@ -136,14 +144,15 @@ class HeldOut:
     def __call__(self, policy, ref_model, ref_dir, step):
         """Writes eval/iter_{step}.jsonl and returns the eval/ metrics."""
         answers = greedy_answers(policy, self.tokenizer, self.records, self.score, self.max_new_tokens,
-                                 self.micro_batch_size, desc=f"eval {step}")
+                                 self.micro_batch_size, desc=f"eval {step}", episodes=self.episodes)
         if self.reference is None and ref_model is None and step == 0:
             self.reference = answers
         elif self.reference is None:
             device = next(policy.parameters()).device
             ref_model = ref_model or loading.load_model(ref_dir, device, self.trust_remote_code)
             self.reference = greedy_answers(ref_model, self.tokenizer, self.records, self.score,
-                                            self.max_new_tokens, self.micro_batch_size, desc="eval π_ref")
+                                            self.max_new_tokens, self.micro_batch_size, desc="eval π_ref",
+                                            episodes=self.episodes)
         texts, completions, rewards, skipped, lengths, components = answers
         _, ref_completions, ref_rewards, ref_skipped, ref_lengths, _ = self.reference
         rows = [{**record, "group": b, "prompt": texts[b], "completion": completions[b],
@@ -175,7 +184,8 @@ class HeldOut:
                  "rewards": {k: None if v[i].isnan() else v[i].item() for k, v in components.items()},
                  "answer": answer_of(completions[i])} for i, s in enumerate(samples)]
         files.write_jsonl(os.path.join(self.run_dir, "eval", f"iter_{step:04d}_samples.jsonl"), rows)
-        return sampled_eval(groups, completions, components)
+        return {**sampled_eval(groups, completions, components),
+                **diagnostics.episode_metrics(samples, self.records, "eval/sampled_env/")}
 
 
 # ----------------------------------------------------------------------------------------

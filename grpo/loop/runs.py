@@ -18,7 +18,7 @@ from grpo import lora, settings
 from grpo.cli import ArgumentParser, StageError, device_name, warn
 from grpo.disk import files, outputs, provenance
 from grpo.models import builders, distributed, loading, vllm_engine
-from grpo.rewards import prompting, reward_specs, tasks
+from grpo.rewards import environments, prompting, reward_specs, tasks
 from grpo.settings import at_least
 from grpo.training import optim
 
@@ -192,8 +192,9 @@ def start(cfg, run_dir, done, records, held_out_lines=None):
     sets its learning rate and weight decay from the update's arguments at every step)."""
     device = distributed.pick_device(cfg.device)
     reward_fns = load_rewards(cfg, device)
+    env = cfg.env and environments.load_env(cfg.env)[1]
     for rows, source, _ in records:
-        reward_specs.check_fields(reward_fns, rows, source)
+        reward_specs.check_fields(reward_fns, rows, source, env and environments.field_names(env, rows))
     held_out = {"held_out": {"prompts": cfg.prompts, "lines": held_out_lines}} if held_out_lines else {}
     config = os.path.join(run_dir, "config.json")
     resuming = os.path.isfile(config)

@@ -15,7 +15,7 @@ def chat_of(record):
 
 # samples.jsonl's columns that the stages write (train.py adds the last three once an iteration is
 # complete): a prompt record's field of one of these names does not travel.
-ROW_COLUMNS = ("group", "prompt", "completion", "messages", "reward", "rewards", "advantage")
+ROW_COLUMNS = ("group", "prompt", "completion", "messages", "turns", "reward", "rewards", "advantage")
 
 
 def sample_row(record, group, text, completion):

@@ -34,21 +34,23 @@ BUILT_IN = {**tasks.REWARDS, "math": math_reward.math}
 STAGE_OUTPUTS = ("reward", "rewards", "advantage")
 
 
-def row_fields(records):
+def row_fields(records, episode=None):
     """The fields score.py passes a reward function for rows of these prompt records: each record's own
-    (but the prompt and the stages' outputs), the row's group and completion ids, and a chat prompt's
-    turns as `messages`."""
+    (but the prompt and the stages' outputs), the row's group and completion ids, a chat prompt's
+    turns as `messages`, and with an environment its turns and the `episode` fields it names."""
     chat = any(prompting.chat_of(r) is not None for r in records)
     own = {k for r in records for k in r} - {"prompt", "completion", *STAGE_OUTPUTS}
-    return own | {"group", "completion_ids"} | ({"messages"} if chat else set())
+    episode = {"turns", *episode} if episode is not None else set()
+    return own | {"group", "completion_ids"} | ({"messages"} if chat else set()) | episode
 
 
-def check_fields(reward_fns, records, source):
+def check_fields(reward_fns, records, source, episode=None):
     """Stop before any sampling when a reward function takes a field (a parameter without a default,
-    other than prompts and completions) that no record of `source` has (no records: nothing to check)."""
+    other than prompts and completions) that no record of `source` has, nor an episode's environment
+    (`episode`: the names of its fields); no records: nothing to check."""
     if not records:
         return
-    have = row_fields(records)
+    have = row_fields(records, episode)
     for name, fn in reward_fns:
         try:
             parameters = inspect.signature(fn).parameters.values()
@@ -80,12 +82,13 @@ def load_reward(spec, device, micro_batch_size, trust_remote_code=False):
                      f"or a reward-model folder or Hub id (org/name[@revision])")
 
 
-def load_user_function(spec):
+def load_user_function(spec, flag="--reward", kind="function"):
+    """`module:NAME` or `path/file.py:NAME` to (NAME, the callable); `flag` names the option in errors."""
     target, _, name = spec.rpartition(":")
     try:
         if target.endswith(".py"):
             if not os.path.isfile(target):
-                raise StageError(f"--reward {spec!r}: no such file {target}")
+                raise StageError(f"{flag} {spec!r}: no such file {target}")
             module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(target))}", target)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -96,10 +99,10 @@ def load_user_function(spec):
     except StageError:
         raise
     except Exception as e:  # the user's module can raise anything on import; report it as one line
-        raise StageError(f"--reward {spec!r}: importing {target} failed ({type(e).__name__}: {e})") from None
+        raise StageError(f"{flag} {spec!r}: importing {target} failed ({type(e).__name__}: {e})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise StageError(f"--reward {spec!r}: {target} has no function {name!r}")
+        raise StageError(f"{flag} {spec!r}: {target} has no {kind} {name!r}")
     return name, fn
 
 

@@ -112,8 +112,26 @@ def char_classes(seed, num_train=256, num_eval=12):
     return train, [record(names[i % 3]) for i in range(num_eval)]
 
 
+def products(seed, num_train=2000, num_eval=48):
+    """Three-digit by two-digit products as chat prompts, which a 135M model gets right about 1 time in
+    100 alone: the task of docs/environments.md, where `--env inline_calculator` writes the product after
+    the model's "a * b =". The held-out ones are the same for every seed, as arithmetic's."""
+    rng = random.Random(0)
+    pairs = [(rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(num_train + num_eval)]
+    held_out, rest = pairs[:num_eval], pairs[num_eval:]
+    if seed != 0:
+        random.Random(seed).shuffle(rest)
+
+    def record(a, b):
+        question = f"What is {a} times {b}? Answer in one short sentence."
+        return {"messages": [{"role": "user", "content": question}], "answer": str(a * b)}
+
+    return [record(a, b) for a, b in rest], [record(a, b) for a, b in held_out]
+
+
 TASKS = {
     "arithmetic": (arithmetic, ["exact_answer"]),
+    "products": (products, ["exact_answer"]),
     "char_classes": (char_classes, ["char_class"]),
 }
 
