@@ -102,3 +102,26 @@ def test_a_pickled_checkpoint_is_refused(models, tmp_path):
     r = cli("sample.py", "--model", folder, "--prompts", prompts, "--out", tmp_path / "out", "--group-size", 2)
     assert_user_error(r, str(folder), "only safetensors")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text", HOSTILE, ids=lambda t: repr(t[:20]))
+def test_the_calculators_run_nothing_a_model_wrote(text, tmp_path):
+    from grpo.rewards import environments
+    marker = tmp_path / "pwned"
+    written = text.format(marker=marker)
+    tags, inline = environments.Calculator(), environments.InlineCalculator()
+    tags.reset({}), inline.reset({})
+    assert tags.step(f"<calc>{written}</calc>", []).startswith("<result>")
+    reply = inline.step(written + " =", [])
+    assert reply == "" or reply.startswith(" ")             # a value written after "=", or nothing
+    assert not marker.exists()
+
+
+@settings(max_examples=200, deadline=500)
+@given(st.text(alphabet=st.sampled_from("0123456789+-*/.,() ×÷"), max_size=3000))
+def test_the_inline_calculator_is_bounded_on_expression_like_noise(text):
+    from grpo.rewards import environments
+    env = environments.InlineCalculator()
+    env.reset({})
+    reply = env.step(text + "=", [])
+    assert reply == "" or reply.startswith(" ")

@@ -202,7 +202,7 @@ class InlineCalculator:
     def step(self, text, token_ids):
         if not text.endswith("="):
             return None                              # the turn ended with EOS: the answer is given
-        found = _LAST_EXPRESSION.search(text[:-1])
+        found = _LAST_EXPRESSION.search(text[:-1][-100:])       # calculate's limit; bounds the search
         try:
             value = calculate(found.group().strip()) if found else None
         except ToolError:
