@@ -185,18 +185,19 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
     else:                                             # per micro-batch: its completion columns
         parts, turns = [], []
         envs = args.env and environments.make(args.env, records, G)        # one per row, reset with its record
-        stop = envs and environments.stop_strings(tokenizer, getattr(envs[0], "stop", ()))
+        ends = envs and environments.turn_ends(tokenizer, getattr(envs[0], "stop", None) or ())
         chats = [prompting.chat_of(record) is not None for record in records for _ in range(G)]        # [N]
         with (tqdm(desc="sample", unit="tok", leave=False, disable=None if distributed.is_main() else True) as bar,
               fast_decode.decode_linears(policy, min(N, args.micro_batch_size or N))):  # CPU: oneDNN, packed
             for rows in distributed.row_slices(N, args.micro_batch_size):
-                def sample_turn(ids, mask, budget):
-                    return sample_completions(policy, ids, mask, budget, args.temperature, eos_ids,
-                                              tokenizer.pad_token_id, generator, progress=bar,
-                                              share_prefix=args.prefix_sharing, top_k=args.top_k, top_p=args.top_p,
-                                              min_p=args.min_p, stop=stop)
+                def sample_turn(ids, mask, rooms=None):       # an episode's turn: rooms [n] of its budget
+                    return sample_completions(
+                        policy, ids, mask, args.max_new_tokens if rooms is None else int(rooms.max()),
+                        args.temperature, eos_ids, tokenizer.pad_token_id, generator, progress=bar,
+                        share_prefix=args.prefix_sharing, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        stop=None if rooms is None else lambda tokens: ends(tokens, rooms))
                 if not envs:
-                    parts.append(sample_turn(prompt_ids[rows], prompt_mask[rows], args.max_new_tokens))
+                    parts.append(sample_turn(prompt_ids[rows], prompt_mask[rows]))
                     continue
                 columns, played = environments.sample_episodes(
                     prompt_ids[rows], prompt_mask[rows], envs[rows], chats[rows], tokenizer, eos_ids,

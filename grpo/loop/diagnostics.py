@@ -252,11 +252,16 @@ def explained_variance(values, returns, mask):
 
 
 def episode_metrics(samples, records, prefix="env/"):
-    """--env's episodes: the policy's turns an episode (env/policy_turns) and the mean of each number the
-    environment gave its rows (env/NAME, for example env/tool_calls); nothing for single-turn rows."""
+    """--env's episodes: the policy's turns an episode (env/policy_turns: its assistant messages, 1 for an
+    in-line environment) and the mean of each number (or bool) the environment gave (env/NAME, for
+    example env/tool_calls), over the rows that have one; nothing for single-turn rows."""
     if not samples or "turns" not in samples[0]:
         return {}
     own = {k for r in records for k in r} | set(prompting.ROW_COLUMNS)
-    names = sorted(k for k, v in samples[0].items() if k not in own and type(v) in (int, float))
+    values = {}
+    for s in samples:
+        for k, v in s.items():
+            if k not in own and type(v) in (int, float, bool):
+                values.setdefault(k, []).append(float(v))
     return {f"{prefix}policy_turns": sum(sum(t["role"] == "assistant" for t in s["turns"]) for s in samples) / len(samples),
-            **{f"{prefix}{k}": sum(s[k] for s in samples) / len(samples) for k in names}}
+            **{f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(values.items())}}

@@ -35,9 +35,9 @@ from grpo.rewards import prompting, reward_specs
 @torch.inference_mode()
 def sample_episodes(prompt_ids, prompt_mask, envs, chats, tokenizer, eos_ids, max_new_tokens, max_turns, sample_turn):
     """Episodes of policy turns and environment replies, one per row (grpo/rewards/environments.py): each
-    turn is drawn by `sample_turn(ids, mask, budget)` (sample_completions with the run's τ, truncation
-    and stop strings) from the row's prompt and every turn before it, and the environment's reply to a
-    finished turn is tokenized once. The ids are concatenated as they come, never re-tokenized, so the
+    turn is drawn by `sample_turn(ids, mask, rooms)` (sample_completions with the run's τ and truncation,
+    ending a row at its EOS, a stop string or its room [n'] of the budget) from the row's prompt and
+    every turn before it, and the environment's reply to a finished turn is tokenized once. The ids are concatenated as they come, never re-tokenized, so the
     update reads exactly what the policy drew and what the environment said.
 
     An episode ends when its environment returns None, when a turn runs out of the budget of
@@ -47,19 +47,19 @@ def sample_episodes(prompt_ids, prompt_mask, envs, chats, tokenizer, eos_ids, ma
     log-probs are 0 on the environment's), and each row's turns as chat messages (an environment whose
     role is None writes in-line, into the policy's own message, as Toolformer's calculator does)."""
     n, device, role = len(envs), prompt_ids.device, getattr(envs[0], "role", "user")
+    stops = getattr(envs[0], "stop", None) or ()
     context = [ids[mask].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]      # the prompt, then turns
     rows = [{"ids": [], "policy": [], "old": [], "q": [], "turns": [], "truncated": False} for _ in range(n)]
     live, truncating = list(range(n)), False
     for turn in range(max_turns):
-        budget = max(max_new_tokens - len(rows[r]["ids"]) for r in live)
+        rooms = torch.tensor([max_new_tokens - len(rows[r]["ids"]) for r in live], device=device)   # [n']
         ids, mask = prompting.left_pad([context[r] for r in live], tokenizer.pad_token_id)      # [n', P']
-        out = sample_turn(ids.to(device), mask.to(device), budget)
+        out = sample_turn(ids.to(device), mask.to(device), rooms)       # no row draws past its room
         truncating = "sampler_logprobs" in out
         still = []
         for j, r in enumerate(live):
             row = rows[r]
-            drawn = int(out["completion_mask"][j].sum())                 # up to its EOS or stop string
-            length = min(drawn, max_new_tokens - len(row["ids"]))        # the row's own budget left
+            length = int(out["completion_mask"][j].sum())             # up to its EOS, stop string or room
             turn_ids = out["completion_ids"][j, :length].tolist()
             row["ids"] += turn_ids
             row["policy"] += [True] * length
@@ -70,8 +70,9 @@ def sample_episodes(prompt_ids, prompt_mask, envs, chats, tokenizer, eos_ids, ma
                 row["turns"][-1]["content"] += text
             else:
                 row["turns"].append({"role": "assistant", "content": text})
-            ended = length == drawn and not out["truncated"][j]
-            reply = envs[r].step(text, turn_ids) if ended else None
+            said = up_to_stop(text, stops)                    # the text up to the stop string that ended it
+            ended = said is not None or turn_ids[-1] in eos_ids
+            reply = envs[r].step(text if said is None else said, turn_ids) if ended else None
             if reply is not None:
                 eos_text = tokenizer.decode(turn_ids[-1:]) if turn_ids[-1] in eos_ids else ""
                 new = tokenizer(reply_text(tokenizer, chats[r], role, reply, eos_text),
@@ -110,7 +111,7 @@ def sample_episodes(prompt_ids, prompt_mask, envs, chats, tokenizer, eos_ids, ma
 class Tools:
     """Tools the model calls by writing <NAME>argument</NAME>: the first call of a turn is answered with
     <result>value</result> (or <result>error: why</result>), and a turn that calls nothing ends the
-    episode. Each closing tag ends the policy's turn, so the model never writes past its call."""
+    episode. Each closing tag is a stop string: the policy's turn ends with the token that completes it."""
 
     role = "user"
 
@@ -144,24 +145,29 @@ class ToolError(ValueError):
 
 
 # The calculator's grammar: numbers, + − × ÷ and parentheses; nothing else is evaluated.
+_ARITHMETIC = re.compile(r"[0-9.+\-*/() ]+")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def calculate(expression, max_chars=100):
-    """The value of an arithmetic expression (integers, decimals, + - * / and parentheses), exact: as an
-    integer, or a decimal rounded to 6 places. Parsed by Python's ast and walked by hand, never
-    evaluated; anything else is a ToolError."""
+    """The value of an arithmetic expression (integers, decimals, + - * / and parentheses), exact: an
+    integer, or a decimal rounded to 6 places. Its characters are checked first (no exponents, names or
+    other notations), then it is parsed by Python's ast and walked by hand, never evaluated; within
+    max_chars no value has more than about max_chars digits. Anything else is a ToolError."""
     if len(expression) > max_chars:
         raise ToolError(f"longer than {max_chars} characters")
+    expression = expression.replace("×", "*").replace("÷", "/").replace(",", "")
+    if not _ARITHMETIC.fullmatch(expression):
+        raise ToolError("only numbers, + - * / and parentheses")
     try:
-        tree = ast.parse(expression.replace("×", "*").replace("÷", "/").replace(",", ""), mode="eval")
+        tree = ast.parse(expression, mode="eval")
     except (SyntaxError, ValueError):
         raise ToolError("not an arithmetic expression") from None
 
     def value(node):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return Fraction(str(node.value))
+            return Fraction(ast.get_source_segment(expression, node))        # the digits as written
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Div) and right == 0:
@@ -174,7 +180,9 @@ def calculate(expression, max_chars=100):
     result = value(tree.body)
     if result.denominator == 1:
         return str(result.numerator)
-    return str(float(round(result, 6)))
+    millionths = round(result * 10 ** 6)                                 # exact: Fractions all the way
+    sign, whole, rest = "-" if millionths < 0 else "", *divmod(abs(millionths), 10 ** 6)
+    return f"{sign}{whole}.{rest:06d}".rstrip("0").rstrip(".") if millionths else "0"
 
 
 class Calculator(Tools):
@@ -202,7 +210,10 @@ class InlineCalculator:
     def step(self, text, token_ids):
         if not text.endswith("="):
             return None                              # the turn ended with EOS: the answer is given
-        found = _LAST_EXPRESSION.search(text[:-1][-100:])       # calculate's limit; bounds the search
+        window = text[:-1][-101:]                    # one more than calculate takes: longer is refused
+        found = _LAST_EXPRESSION.search(window)
+        if found and found.start() == 0 and len(text) - 1 > len(window):
+            found = None                             # the expression goes on before the window
         try:
             value = calculate(found.group().strip()) if found else None
         except ToolError:
@@ -258,19 +269,27 @@ def reply_text(tokenizer, chat, role, reply, eos_text):
     return after[len(eos_text):] if eos_text and after.startswith(eos_text) else after
 
 
-def stop_strings(tokenizer, strings):
-    """sample_completions' `stop` for an environment's stop strings (None without any): the rows whose
-    last tokens, decoded, hold one of them. A token writes at least one character, so a string that the
-    last len(string) tokens do not hold was not just written."""
-    if not strings:
-        return None
-    width = max(len(s) for s in strings)
+def turn_ends(tokenizer, strings):
+    """sample_completions' `stop` for an episode's turn, given the tokens [n] drawn so far and the rows'
+    rooms [n]: the rows that have drawn their room, or whose last tokens, decoded, hold a stop string.
+    A token writes at least one byte, so a string that the last len(string in UTF-8) + 1 tokens do not
+    hold was not just written (the one more: a tokenizer may drop the first one's leading space)."""
+    width = max((len(s.encode()) for s in strings), default=0) + 1
 
-    def stopped(tokens):                                  # the tokens [n] drawn so far in this turn
+    def ended(tokens, rooms):
+        full = len(tokens) >= rooms                                                         # [n]
+        if not strings:
+            return full
         tails = torch.stack(tokens[-width:], dim=1).tolist()                                # [n, ≤width]
-        return torch.tensor([any(s in tokenizer.decode(tail) for s in strings) for tail in tails],
-                            device=tokens[0].device)
-    return stopped
+        return full | torch.tensor([any(s in tokenizer.decode(tail) for s in strings) for tail in tails],
+                                   device=full.device)
+    return ended
+
+
+def up_to_stop(text, strings):
+    """`text` up to the end of the first stop string in it (a token may write more after it), or None."""
+    ends = [text.find(s) + len(s) for s in strings if s in text]
+    return text[:min(ends)] if ends else None
 
 
 def episode_row(sample, turns, env):
