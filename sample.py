@@ -19,34 +19,27 @@ Example:
     python sample.py --model ckpt/ --prompts prompts.jsonl --out it0/ --group-size 8 \\
         --num-prompts 4 --max-new-tokens 64 --temperature 1.0 --seed 0 --ref-model ckpt/
 
-Choices where the paper and docs/formats.md are silent:
-- Tokens are drawn at temperature τ, from the distribution that --top-k, --top-p and --min-p (in
-  that order, all off by default) truncate; log π_old is the model's log_softmax(logits / τ),
-  untruncated, as TRL and verl record it, because the update's log π_θ is that same untruncated
-  distribution (so ρ = 1 on-policy). The truncation is then a choice of which tokens to try, not
-  part of π_old; update.py --rollout-is reweighs it from sampler_logprobs (docs/numerics.md).
+Choices where the paper and docs/formats.md are silent (docs/numerics.md says why):
+- Tokens are drawn at τ from the distribution --top-k, --top-p and --min-p truncate (in that order,
+  all off by default); log π_old is the untruncated log_softmax(logits / τ), as TRL and verl record
+  it, because the update's log π_θ is that distribution (ρ = 1 on-policy). update.py --rollout-is
+  reweighs the truncation from sampler_logprobs, log q of the draw.
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
-  distribution each token came from; log π_old is taken from the very logits it samples from
-  (no second forward pass), through modeling.logprobs_from_logits, the function update.py uses.
-  On a CPU its products run through oneDNN on packed weights (fast_decode.decode_linears), which
-  changes only rounding (docs/performance.md has how much; benchmarks/levers.py decode-linears).
-- The G rows of a group share their prompt: each distinct prompt of a micro-batch is prefilled
-  once and its KV cache expanded to its rows (modeling.prefill), and the reference and critic
-  passes run the same way; --no-prefix-sharing runs every row's own prompt, for the same numbers.
-- completion_mask is true up to and including the first EOS (any of the tokenizer's and the
-  model's EOS ids); it never looks at the pad id, which a model may sample as an ordinary token.
-  Ids after the first EOS are the pad id; T is trimmed to the longest completion.
-- --engine vllm has vLLM draw the completions instead (grpo/models/vllm_engine.py); log π_old is then the
-  policy's forward over them (modeling.rollout_logprobs, as update.py computes it) and the engine's
-  own log-probs are sampler_logprobs, which update.py --rollout-is reweighs (docs/numerics.md).
-- --env SPEC plays episodes (grpo/rewards/environments.py, docs/environments.md): each policy turn is
-  sampled as above from the prompt and every turn before it, prefilled anew (a KV cache kept across
-  turns would save that prefill; turns run for the rows still playing, so a batch takes as many decode
-  loops as its longest episode has turns), and the environment's reply is tokenized once and appended:
-  no id is ever re-tokenized. --max-new-tokens is the budget of all turns together.
-- All rows are sampled from one seeded generator in --micro-batch-size chunks: a sample is
-  reproducible for a given seed and micro-batch size. Under torchrun rank r samples a contiguous
-  share of whole groups with the seed distributed.rank_seed(seed, r), and rank 0 writes them all.
+  distribution each token came from; log π_old comes from the very logits it samples from, through
+  modeling.logprobs_from_logits, update.py's function. On a CPU its products run through oneDNN on
+  packed weights (fast_decode.decode_linears): rounding only (docs/performance.md).
+- Each distinct prompt of a micro-batch is prefilled once and its KV cache expanded to its G rows
+  (modeling.prefill), the reference and critic passes alike; --no-prefix-sharing: the same numbers.
+- completion_mask is true up to and including the first EOS (the tokenizer's and the model's EOS
+  ids), never by the pad id, which a model may sample; T is trimmed to the longest completion.
+- --engine vllm draws with vLLM (grpo/models/vllm_engine.py); log π_old is then the policy's forward
+  over the draws (modeling.rollout_logprobs) and the engine's log-probs are sampler_logprobs.
+- --env SPEC plays episodes (docs/environments.md): each policy turn is sampled as above from the
+  prompt and every turn before it, prefilled anew, and the environment's reply is tokenized once and
+  appended: no id is ever re-tokenized. --max-new-tokens is the budget of all turns together.
+- All rows come from one seeded generator in --micro-batch-size chunks: reproducible for a seed and
+  micro-batch size. Under torchrun rank r samples a contiguous share of whole groups with the seed
+  distributed.rank_seed(seed, r), and rank 0 writes them all.
 """
 
 import argparse

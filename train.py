@@ -13,10 +13,11 @@ process of torchrun).
 
 A run's settings are the stages' own flags (names, types, help: `train.py --help` lists each with
 the stages that take it) and the run's own (run_parser: model, data, iterations, evaluation, saves).
-Where a run's default differs from a stage's, RUN_DEFAULTS says so and why. Models stay in memory
-between stages, but each stage's arguments are built by its own parse_args from the configuration
-(so its checks apply before the run folder exists), and its files are written by its own functions:
-any iteration can be re-run one stage at a time (iter_XXXX/replay.sh; docs/runs-and-metrics.md).
+Where a run's default differs from a stage's, grpo/loop/configs.py says so and why, beside the named
+configurations (--config). Models stay in memory between stages, but each stage's arguments are
+built by its own parse_args from the configuration (so its checks apply before the run folder
+exists), and its files are written by its own functions: any iteration can be re-run one stage at a
+time (iter_XXXX/replay.sh; docs/runs-and-metrics.md).
 
 Every draw of iteration i comes from generators seeded from (seed, i): the records it sees (a
 seeded shuffle per pass over them), the sampler, the minibatch shuffle. No RNG state crosses
@@ -42,41 +43,12 @@ from grpo import settings
 from grpo.cli import StageError, run_cli, warn
 from grpo.disk import checkpoints, files, outputs, provenance, run_log
 from grpo.loop import diagnostics, evaluation, runs, staleness
+from grpo.loop.configs import CONFIGS, RESUMABLE, RUN_DEFAULTS
 from grpo.loop.rollouts import dapo_dynamic_sampling
 from grpo.models import builders, distributed
 from grpo.rewards import tasks
+from grpo.training import ppo_critic
 
-# Where a run's default differs from the stage's own, and why.
-RUN_DEFAULTS = {
-    "num_prompts": (4, "B per iteration; sample.py alone takes every record of its file"),
-    "max_new_tokens": (24, "the default task's answers fit; sample.py's 128 would make sampling ~5× longer"),
-    "temperature": (0.7, "the default task was tuned at τ 0.7: about 10% of samples right, so a third of "
-                         "the groups carry signal from the first iteration (grpo/rewards/tasks.py)"),
-    "lr": (1e-5, "update.py's 1e-6 is DeepSeekMath's, for 7B weights and many steps; the default job, 15 "
-                 "steps of a 135M model, was tuned at 1e-5"),
-    "estimator": (None, "unset: grpo, or gae with --algo ppo (the estimator follows --algo)"),
-    "reward": ([], "empty: the task's reward (score.py has no default)"),
-    "rollout_is": (None, "unset: tis with --staleness ≥ 1 (the decoupled objective, docs/numerics.md), else none"),
-}
-# Named configurations: the default one with these settings changed.
-CONFIGS = {
-    "default": {},
-    "tiny": dict(model="tiny", task="char_classes", iterations=30, num_prompts=8, group_size=8,
-                 max_new_tokens=8, temperature=1.0, lr=3e-3, eval_every=10, eval_prompts=12),
-    # For a GPU: more prompts, longer answers, more iterations; the same code path.
-    "gpu": dict(iterations=200, num_prompts=32, group_size=16, max_new_tokens=128, eval_every=20,
-                eval_prompts=200, save_every=50),
-    # GSM8K with Qwen2.5-0.5B-Instruct on a GPU (docs/your-own-model-data-reward.md): the files of
-    # examples/math_data.py; DeepSeekMath's lr 1e-6 and β 0.04 with G = 8 and 256 completions a step.
-    "gsm8k_qwen": dict(model="Qwen/Qwen2.5-0.5B-Instruct", prompts="data/gsm8k_train.jsonl",
-                       eval_prompts_file="data/gsm8k_test.jsonl", reward=["math"], iterations=200,
-                       num_prompts=32, group_size=8, max_new_tokens=512, temperature=1.0, lr=1e-6,
-                       beta=0.04, minibatch_size=256, micro_batch_size=32, eval_every=20, eval_prompts=200,
-                       save_every=50),
-}
-# What --resume may change: nothing that alters the iterations already done.
-RESUMABLE = {"iterations", "device", "sample_device", "eval_every", "eval_prompts", "eval_samples", "save_every",
-             "max_bad_steps", "fsdp", "gradient_checkpointing", "prefix_sharing"}
 EVAL_SLOT = 10 ** 9          # the sampler's seed of --eval-samples: a slot no iteration takes
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
 # The stage flags a run sets itself at every iteration (files, models, seeds), not settings.
@@ -298,7 +270,7 @@ def update_policy(run, rollouts, adv, update_args, perf):
             models.policy, run.optimizer, rollouts, adv["advantages"], update_args,
             models.ref if update_args.ref_logprobs != "rollouts" else None)
         if models.critic:
-            losses.update(update.train_critic(models.critic, rollouts, adv["returns"], update_args))
+            losses.update(ppo_critic.train_critic(models.critic, rollouts, adv["returns"], update_args))
         if models.sampler is not models.policy:   # FSDP: the full copy that samples follows
             models.sampler.load_state_dict(checkpoints.checkpoint_tensors(models.policy), strict=False)
     if models.engine is not None and not update_args.critic_only:   # vLLM: the new weights, in place

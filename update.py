@@ -15,42 +15,31 @@ Reads   --model DIR        the policy π_θ (π_old before the first step), and 
 Writes  --out DIR          a Hugging Face checkpoint, optimizer.safetensors, metrics.json (docs/formats.md)
 
 PPO with a critic (--critic DIR --critic-out DIR): the advantages are per token (advantage.py
---estimator gae), and after the policy's steps the critic V takes its own (train_critic) on PPO's
-clipped value loss, L_V = vf_coef · ½·max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, ±ε_v) − R_t)²),
-R_t the advantages file's `returns`, V_old the rollouts' `values`; --critic-only steps it alone.
+--estimator gae), and after the policy's steps the critic V takes its own on PPO's clipped value
+loss (grpo/training/ppo_critic.py); --critic-only steps it alone.
 
 Example:
     python update.py --model ckpt/ --rollouts it0/rollouts.safetensors \\
         --advantages it0/advantages.safetensors --out ckpt1/ --lr 1e-6 --beta 0.01 --clip-eps 0.2
 
 Choices where the paper and docs/formats.md are silent (docs/numerics.md says why):
-- log π_θ comes from modeling.completion_logprobs, the function sample.py uses, at the rollouts' τ.
-  log π_old is the rollouts' old_logprobs on a CPU (sampler and update agree to ~1e-6 in float32) and
-  recomputed by this forward before the first step on a GPU (--old-logprobs recompute): bf16 rounding
+- log π_θ is modeling.completion_logprobs, sample.py's function, at the rollouts' τ. log π_old is the
+  rollouts' on a CPU, recomputed before the first step on a GPU (--old-logprobs): bf16 rounding
   would otherwise count as policy change in a tight clip band.
-- log π_ref is computed in every micro-batch by the call that computes log π_θ, on the same rows and
-  shapes, without gradients (as TRL does), so at θ = θ_ref the two are equal to the bit and a batch
-  with no signal moves nothing; the rollouts' ref_logprobs differ by ~1e-5 (--ref-logprobs rollouts).
-- x = log π_ref − log π_θ is clamped to ±20 inside k3 (e^x overflows float32 at 88); β = 0 leaves the
-  penalty out of ℓ_t altogether. The sequence weight of --rollout-is-level sequence sums its log in
-  float64 and bounds it at 700 (e^x overflows float64 at 709), so its cap never meets inf.
-- μ = --epochs seeded shuffles cut into minibatches of --minibatch-size, one AdamW step each; each
-  minibatch runs in micro-batches whose losses carry its normaliser, so the gradient does not depend
-  on the split (nor, under torchrun, on the ranks). Each distinct prompt of a micro-batch runs once
-  (--no-prefix-sharing: every row its own; the same numbers to rounding).
-- AdamW's lr at step s (optim.scheduled_lr): lr·(s + 1)/W over W = --warmup-steps, so the first step
-  moves, then --lr-schedule; lr and --weight-decay are set at every step, whoever built the optimizer.
+- log π_ref is computed beside log π_θ, by the same call on the same rows without gradients (as TRL),
+  so at θ = θ_ref the two are equal to the bit and a batch with no signal moves nothing.
+- k3's x is clamped to ±20 (e^x overflows float32 at 88); β = 0 leaves the penalty out of ℓ_t.
+- μ = --epochs seeded shuffles cut into minibatches of --minibatch-size, one AdamW step each, run in
+  micro-batches whose losses carry the minibatch's normaliser: the gradient does not depend on the
+  split, nor under torchrun on the ranks. Each distinct prompt of a micro-batch runs once.
+- lr at step s is lr·(s + 1)/W over W = --warmup-steps (the first step moves), then --lr-schedule.
 - Dropout is off, so ρ = 1 exactly on the first, on-policy step; gradients are clipped to
-  --max-grad-norm; a row with no completion token is an error.
-- --out DIR is replaced as a unit (grpo/disk/outputs.py); the inputs must belong together
-  (grpo/disk/provenance.py, --allow-mismatch).
+  --max-grad-norm. --out is replaced as a unit; the inputs must belong together (--allow-mismatch).
 """
 
 import argparse
 import json
-import math
 import time
-from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -62,13 +51,14 @@ from grpo.disk import checkpoints, outputs, provenance, stage_inputs
 from grpo.loop import diagnostics
 from grpo.models import distributed, loading, modeling
 from grpo.settings import above, above_or_inf, at_least, between
-from grpo.training import minibatches, optim
+from grpo.training import minibatches, optim, ppo_critic
+from grpo.training.minibatches import aggregate
 from grpo.training.update_metrics import UpdateMetrics
 
 
 # ----------------------------------------------------------------------------------------
-# The algorithm: the policy losses (one function each, chosen by --policy-loss), the terms composed
-# around them (importance weight, KL penalty, entropy bonus), the aggregation, and PPO's value loss.
+# The algorithm: the policy losses (one function each, chosen by --policy-loss) and the terms composed
+# around them (importance weight, KL penalty, entropy bonus); --loss-agg's `aggregate` is minibatches'.
 # Each policy loss maps log π_θ, log π_old, A (advantages [n] → [n, 1], or GAE's [n, T]) and the mask
 # [n, T] to its token loss [n, T], the ratio it clips [n, T], and the tokens its clip acted on.
 
@@ -175,24 +165,6 @@ def rollout_is_weights(old_logp, sampler_logp, mode, cap, level="token", mask=No
     return w.to(old_logp.dtype)
 
 
-def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
-    """This micro-batch's share of the minibatch loss; the minibatch's sequences and tokens normalise."""
-    masked = torch.where(mask, token_loss, 0.0)                                # [n, T]
-    if loss_agg == "seq":      # mean over sequences of the masked token mean (DeepSeekMath)
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
-    if loss_agg == "token":    # Σ ℓ_t / Σ |o_i| over the minibatch (DAPO)
-        return masked.sum() / num_tokens
-    return masked.sum() / (num_seqs * max_new_tokens)  # dr_grpo: Σ ℓ_t / (N × L_max)
-
-
-def clipped_value_loss(values, old_values, returns, value_clip):
-    """PPO's clipped value loss per token, ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²),
-    and where the clipped term is the larger (so the step cannot move V further than ε_v). [n, T] each."""
-    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)     # [n, T]
-    unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
-    return 0.5 * torch.max(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
-
-
 # ----------------------------------------------------------------------------------------
 # The loop: μ epochs → minibatches (one AdamW step each) → micro-batches (one backward each)
 
@@ -233,18 +205,10 @@ def policy_step(policy, optimizer, ref_model, rollouts, rows, args, log):
     grad_norm = optim.clip_gradients(policy, args.max_grad_norm)                # the norm before clipping
     if not log.end_minibatch(grad_norm):
         return False
-    lr = set_lr(optimizer, args.lr, args)
+    lr = optim.schedule_lr(optimizer, args.lr, args)
     optimizer.step()
     log.step(num_tokens, lr)
     return True
-
-
-def set_lr(optimizer, lr, args):
-    """The learning rate of the optimizer's next step, from `lr` by the schedule at its step count
-    (optim.scheduled_lr), with --weight-decay; returns it."""
-    lr = optim.scheduled_lr(optim.adamw_steps(optimizer), lr, args.warmup_steps, args.lr_schedule, args.total_steps)
-    optim.set_lr(optimizer, lr, args.weight_decay)
-    return lr
 
 
 def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
@@ -273,62 +237,6 @@ def micro_batch_loss(policy, ref_model, batch, args, num_seqs, num_tokens):
              "ref_logp": ref_logp, "entropy": entropy, "policy_loss": aggregate(
                  pg_loss.detach(), loss_mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)}
     return loss, terms
-
-
-def train_critic(critic, rollouts, returns, args):
-    """PPO's critic V: --critic-epochs seeded shuffles of the rows in minibatches of --minibatch-size,
-    one AdamW step each (at --critic-lr) on the clipped value loss towards `returns`, aggregated over
-    tokens like the policy loss; returns its metrics: the means over its steps and the explained
-    variance of the sampled V_old (how much of the returns' variance the critic predicted)."""
-    plan = minibatches.plan(len(rollouts["group_ids"]), args.critic_epochs, args.minibatch_size, args.seed)
-    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "values")
-    rollouts = {**{k: rollouts[k] for k in keys}, "returns": returns, "policy_tokens": minibatches.policy_tokens(rollouts),
-                "loss_mask": minibatches.loss_mask(rollouts, args.mask_truncated)}
-    steps, skipped = [], 0
-    with modeling.gradient_checkpointing([critic.model], args.gradient_checkpointing):
-        for rows in (rows for epoch in plan for rows in epoch):                                   # [M]
-            step = critic_step(critic, rollouts, rows, args)
-            if not (math.isfinite(step["value_loss"]) and math.isfinite(step["value_grad_norm"])):
-                skipped = optim.skip_step(critic.optimizer, skipped, step["value_grad_norm"], step["value_loss"],
-                                          args.max_bad_steps)
-                continue
-            steps.append(step)
-    metrics = {k: sum(s[k] for s in steps) / len(steps) if steps else None
-               for k in ("value_loss", "value_grad_norm", "value_clip_frac", "value_mean")}
-    return {**metrics, "critic_steps": len(steps), "critic_skipped_steps": skipped,
-            "explained_variance": diagnostics.explained_variance(rollouts["values"], returns,
-                                                                 rollouts["policy_tokens"])}
-
-
-def critic_step(critic, rollouts, rows, args):
-    """One AdamW step of the critic on the minibatch `rows` (none when its loss or gradient is not
-    finite); returns its metrics."""
-    num_seqs, num_tokens = len(rows), max(int(rollouts["loss_mask"][rows].sum()), 1)   # its normalisers
-    critic.optimizer.zero_grad(set_to_none=True)
-    sums = Counter(dict.fromkeys(("value_loss", "value_clipped", "value_sum"), 0.0))
-    for batch, weight in minibatches.accumulation_passes(critic.model, rollouts, rows, args.micro_batch_size):
-        loss, batch_sums = value_loss(critic.model, batch, args, num_seqs, num_tokens)
-        (loss * weight).backward()
-        if weight:
-            sums.update(batch_sums)
-    sums = distributed.all_reduce(sums, "sum")
-    grad_norm = optim.clip_gradients(critic.model, args.max_grad_norm)
-    if math.isfinite(sums["value_loss"]) and math.isfinite(grad_norm):
-        set_lr(critic.optimizer, args.critic_lr, args)      # the policy's schedule, by the critic's own steps
-        critic.optimizer.step()
-    return {"value_loss": sums["value_loss"], "value_grad_norm": grad_norm,
-            "value_clip_frac": sums["value_clipped"] / num_tokens, "value_mean": sums["value_sum"] / num_tokens}
-
-
-def value_loss(critic, batch, args, num_seqs, num_tokens):
-    """One micro-batch's share of the critic's minibatch loss, vf_coef·L_V (with its gradient), and
-    the sums its step metrics are made of: L_V itself, the clipped tokens and Σ V_t."""
-    V = modeling.completion_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                   batch["completion_mask"], args.prefix_sharing)             # V_t [n, T]
-    token_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
-    loss = aggregate(token_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
-    return args.vf_coef * loss, {"value_loss": loss.item(), "value_clipped": clipped[batch["loss_mask"]].sum().item(),
-                                 "value_sum": torch.where(batch["loss_mask"], V.detach(), 0.0).sum().item()}
 
 
 def training_rows(policy, rollouts, advantages, args, first_epoch):
@@ -500,7 +408,7 @@ def main(argv=None):
     if args.critic:
         critic_model = loading.load_critic(args.critic, device, args.trust_remote_code)
         critic_model = distributed.distribute(critic_model, args.fsdp)
-        critic = optim.Critic(critic_model, optim.adamw(critic_model, args.critic_lr, args.weight_decay,
+        critic = ppo_critic.Critic(critic_model, optim.adamw(critic_model, args.critic_lr, args.weight_decay,
                                                         optim.optimizer_state(args.critic, args.fresh_optimizer)))
 
     if not advantages.any():
@@ -509,7 +417,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     metrics = {} if args.critic_only else train_policy(policy, optimizer, rollouts, advantages, args, ref_model or None)
     if critic:
-        metrics.update(train_critic(critic, rollouts, returns, args))
+        metrics.update(ppo_critic.train_critic(critic, rollouts, returns, args))
     metrics["seconds"] = time.perf_counter() - t0
     checkpoints.save_policy(policy, tokenizer, optimizer, metrics, args, args.out)
     if critic:

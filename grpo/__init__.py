@@ -26,12 +26,14 @@ imports no stage. tests/test_formats.py checks this map against the files.
       reward_specs    reward functions by --reward SPEC: built-in, the user's function, a reward model
       math_reward     the built-in `math` reward: math-verify in a worker process
       environments    --env SPEC: the contract of multi-turn episodes, the tool helper, the calculator
-    training/         the update's machinery
+    training/         the update's machinery and PPO's critic
       optim           AdamW: construction, lr schedule, clipping, skipped steps
-      minibatches     the update's minibatches, the loss mask, gradient accumulation's bookkeeping
+      minibatches     the update's minibatches, the loss mask, --loss-agg, gradient accumulation's bookkeeping
+      ppo_critic      PPO's critic: its clipped value loss and its AdamW steps (update.py --critic)
       update_metrics  update.py's metrics.json: sums over micro-batches and ranks, means over steps
     loop/             train.py's run
       runs            a training run: its flags and checks, its records (held out, per iteration), its models
+      configs         the named configurations (--config), the run's own defaults, what --resume may change
       rollouts        whole groups of rollouts stacked and re-padded; DAPO's dynamic sampling
       evaluation      greedy held-out answers of the policy beside the reference's
       diagnostics     how a GRPO run goes wrong, as numbers logged every iteration

@@ -16,6 +16,7 @@ import advantage
 import update
 from grpo.loop import diagnostics
 from grpo.models import builders, loading, modeling
+from grpo.training import ppo_critic
 
 TOKEN_COUNT = os.path.join(os.path.dirname(__file__), "rewards_for_tests.py") + ":token_count"
 
@@ -162,7 +163,7 @@ def test_clipped_value_loss_hand_oracle():
     # V_old = 0.5, R = 1, ε_v = 0.2. V = 0.9: clipped to 0.7, ½·max(.01, .09) = .045 (clipped term larger);
     # V = 0.6: inside the band, ½·.16 = .08; V = 0.2: clipped to 0.3, ½·max(.64, .49) = .32 (not clipped).
     V = torch.tensor([[0.9, 0.6, 0.2]], requires_grad=True)
-    loss, clipped = update.clipped_value_loss(V, torch.full((1, 3), 0.5), torch.ones(1, 3), 0.2)
+    loss, clipped = ppo_critic.clipped_value_loss(V, torch.full((1, 3), 0.5), torch.ones(1, 3), 0.2)
     torch.testing.assert_close(loss, torch.tensor([[0.045, 0.08, 0.32]]))
     assert clipped.tolist() == [[True, False, False]]
     loss.sum().backward()

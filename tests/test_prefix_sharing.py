@@ -11,7 +11,7 @@ import update
 from grpo.disk import files
 from grpo.models import builders, loading, modeling
 from grpo.rewards import prompting
-from grpo.training import optim
+from grpo.training import optim, ppo_critic
 
 CLIP_GRADIENTS = optim.clip_gradients
 
@@ -88,10 +88,10 @@ def recorded_steps(policy, rollouts, advantages, argv, critic=None, returns=None
     monkeypatch.setattr(optim, "clip_gradients", record)
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
     if critic is not None:
-        critic = optim.Critic(critic, torch.optim.SGD(critic.parameters(), lr=args.critic_lr))
+        critic = ppo_critic.Critic(critic, torch.optim.SGD(critic.parameters(), lr=args.critic_lr))
     metrics = update.train_policy(policy, optimizer, rollouts, advantages, args)
     if critic is not None:
-        metrics.update(update.train_critic(critic, rollouts, returns, args))
+        metrics.update(ppo_critic.train_critic(critic, rollouts, returns, args))
     return grads, metrics
 
 

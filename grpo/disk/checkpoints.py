@@ -272,7 +272,7 @@ def save_resume_point(policy, tokenizer, optimizer, losses, update_args, run_dir
                       saver, keep=False, critic=None, extra_files=None):
     """policy/: what update.py writes, and train_state.json, the resume point, written by `saver` in the
     background (the next iterations run while the files go to disk; policy/ is replaced only once they
-    are all there). PPO's critic (optim.Critic) goes into policy/critic/ in the same unit. With
+    are all there). PPO's critic (ppo_critic.Critic) goes into policy/critic/ in the same unit. With
     `keep`, the same job then links it into checkpoints/ for replay. `extra_files` go into the save too
     (--staleness: the versions it samples from again, grpo/loop/staleness.py)."""
     state = {"iteration": iterations_done, "bad_steps": bad_steps}

@@ -20,7 +20,7 @@ from grpo.disk import files, outputs, provenance
 from grpo.models import builders, distributed, loading, vllm_engine
 from grpo.rewards import environments, prompting, reward_specs, tasks
 from grpo.settings import at_least
-from grpo.training import optim
+from grpo.training import optim, ppo_critic
 
 
 # What each of the run's own settings may be (the stages' are checked by their own RULES).
@@ -174,7 +174,7 @@ class Models:
     policy: torch.nn.Module         # what AdamW steps: in DDP, or sharded by FSDP2, under torchrun
     sampler: torch.nn.Module        # the whole policy that samples: `policy`, or with FSDP a full copy
     ref: torch.nn.Module = None     # π_ref, frozen (LoRA: the policy, adapters off); None when no KL is used
-    critic: optim.Critic = None     # PPO's value model and its AdamW (--algo ppo)
+    critic: ppo_critic.Critic = None     # PPO's value model and its AdamW (--algo ppo)
     critic_init: str = None         # the critic's folder before the first step (PPO)
     engine: object = None           # --engine vllm: the run's one vLLM engine (grpo/models/vllm_engine.py)
     tokenizer_fingerprint: str = None   # what the rollouts record of the tokenizer (grpo/disk/provenance.py)
@@ -241,7 +241,7 @@ def start_critic(cfg, run_dir, base, done, device):
     path = os.path.join(run_dir, "policy", "critic") if done else init
     critic = distributed.distribute(loading.load_critic(path, device, cfg.trust_remote_code), cfg.fsdp)
     state = os.path.join(path, "optimizer.safetensors") if done else None
-    return init, optim.Critic(critic, optim.adamw(critic, cfg.lr, cfg.weight_decay, state))
+    return init, ppo_critic.Critic(critic, optim.adamw(critic, cfg.lr, cfg.weight_decay, state))
 
 
 def model_paths(models, policy_path, i):

@@ -1,5 +1,6 @@
 """How update.py cuts the rollouts into AdamW steps: each epoch's shuffled minibatches, the tokens
-the losses train on, and the bookkeeping of gradient accumulation over micro-batches and ranks. The
+the losses train on, how a micro-batch's token losses become its share of the minibatch's loss
+(--loss-agg), and the bookkeeping of gradient accumulation over micro-batches and ranks. The
 policy's steps and PPO's critic's use them alike.
 """
 
@@ -29,6 +30,17 @@ def loss_mask(rollouts, mask_truncated):
     `mask_truncated` (--mask-truncated, DAPO's overlong filtering). [N, T]"""
     mask = policy_tokens(rollouts)
     return mask & ~rollouts["truncated"][:, None] if mask_truncated else mask
+
+
+def aggregate(token_loss, mask, loss_agg, num_seqs, num_tokens, max_new_tokens):
+    """--loss-agg: this micro-batch's share of its minibatch's loss, normalised by the minibatch's
+    `num_seqs` sequences and `num_tokens` tokens, so the gradient does not depend on the split."""
+    masked = torch.where(mask, token_loss, 0.0)                                # [n, T]
+    if loss_agg == "seq":      # mean over sequences of the masked token mean (DeepSeekMath)
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if loss_agg == "token":    # Σ ℓ_t / Σ |o_i| over the minibatch (DAPO)
+        return masked.sum() / num_tokens
+    return masked.sum() / (num_seqs * max_new_tokens)  # dr_grpo: Σ ℓ_t / (N × L_max)
 
 
 def accumulation_passes(model, rollouts, rows, micro_batch_size):

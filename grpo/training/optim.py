@@ -8,21 +8,12 @@ given to the update and lost on the way.
 
 import math
 import os
-from dataclasses import dataclass
-
 import torch
 from torch.distributed.tensor import DTensor
 
 from grpo.cli import StageError, warn
 from grpo.disk import checkpoints
 from grpo.models import distributed, loading
-
-
-@dataclass
-class Critic:
-    """PPO's value network V and its own AdamW."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
 
 
 def adamw(model, lr, weight_decay=0.0, state_file=None):
@@ -77,6 +68,14 @@ def set_lr(optimizer, lr, weight_decay):
     built the optimizer (optimizer.safetensors keeps its step count across resumes)."""
     for group in optimizer.param_groups:
         group["lr"], group["weight_decay"] = lr, weight_decay
+
+
+def schedule_lr(optimizer, lr, args):
+    """Set the optimizer's next step's learning rate, `lr` by update.py's schedule (--warmup-steps,
+    --lr-schedule, --total-steps of `args`) at its own step count, with --weight-decay; returns it."""
+    lr = scheduled_lr(adamw_steps(optimizer), lr, args.warmup_steps, args.lr_schedule, args.total_steps)
+    set_lr(optimizer, lr, args.weight_decay)
+    return lr
 
 
 def skip_step(optimizer, skipped, grad_norm, loss, max_bad_steps):
