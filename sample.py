@@ -19,7 +19,7 @@ Example:
     python sample.py --model ckpt/ --prompts prompts.jsonl --out it0/ --group-size 8 \\
         --num-prompts 4 --max-new-tokens 64 --temperature 1.0 --seed 0 --ref-model ckpt/
 
-Choices where the paper and docs/formats.md are silent (docs/numerics.md says why):
+Choices where the paper and docs/formats.md are silent (docs/numerics.md and performance.md say why):
 - Tokens are drawn at τ from the distribution --top-k, --top-p and --min-p truncate (in that order,
   all off by default); log π_old is the untruncated log_softmax(logits / τ), as TRL and verl record
   it, because the update's log π_θ is that distribution (ρ = 1 on-policy). update.py --rollout-is
@@ -31,7 +31,7 @@ Choices where the paper and docs/formats.md are silent (docs/numerics.md says wh
 - Each distinct prompt of a micro-batch is prefilled once and its KV cache expanded to its G rows
   (modeling.prefill), the reference and critic passes alike; --no-prefix-sharing: the same numbers.
 - completion_mask is true up to and including the first EOS (the tokenizer's and the model's EOS
-  ids), never by the pad id, which a model may sample; T is trimmed to the longest completion.
+  ids), never read off the pad id, which a model may sample; T is trimmed to the longest completion.
 - --engine vllm draws with vLLM (grpo/models/vllm_engine.py); log π_old is then the policy's forward
   over the draws (modeling.rollout_logprobs) and the engine's log-probs are sampler_logprobs.
 - --env SPEC plays episodes (docs/environments.md): each policy turn is sampled as above from the

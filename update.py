@@ -205,7 +205,8 @@ def policy_step(policy, optimizer, ref_model, rollouts, rows, args, log):
     grad_norm = optim.clip_gradients(policy, args.max_grad_norm)                # the norm before clipping
     if not log.end_minibatch(grad_norm):
         return False
-    lr = optim.schedule_lr(optimizer, args.lr, args)
+    lr = optim.schedule_lr(optimizer, args.lr, args.warmup_steps, args.lr_schedule, args.total_steps,
+                           args.weight_decay)
     optimizer.step()
     log.step(num_tokens, lr)
     return True
@@ -409,7 +410,7 @@ def main(argv=None):
         critic_model = loading.load_critic(args.critic, device, args.trust_remote_code)
         critic_model = distributed.distribute(critic_model, args.fsdp)
         critic = ppo_critic.Critic(critic_model, optim.adamw(critic_model, args.critic_lr, args.weight_decay,
-                                                        optim.optimizer_state(args.critic, args.fresh_optimizer)))
+                                                             optim.optimizer_state(args.critic, args.fresh_optimizer)))
 
     if not advantages.any():
         warn(f"update: every advantage in {args.advantages} is 0, so the policy term moves nothing: the step "

@@ -329,6 +329,6 @@ def test_each_symbol_rows_code_computes_its_symbol():
     assert len(rows) > 25
     problems = [p for row in rows for p in symbol_row_problems(row)]
     assert problems == [], "\n".join(problems)
-    planted = ["| β | KL weight (`--beta`) | `update.py:aggregate` |",
+    planted = ["| β | KL weight (`--beta`) | `grpo/training/minibatches.py:aggregate` |",
                "| ε | clip range | `update.py:clipped_surrogate` (`clip.dual`) |"]
     assert all(symbol_row_problems(row) for row in planted)

@@ -75,7 +75,7 @@ def test_sample_prefills_each_prompt_once_and_draws_what_the_unshared_path_draws
 
 
 def recorded_steps(policy, rollouts, advantages, argv, critic=None, returns=None, monkeypatch=None):
-    """update.train_policy (and train_critic) with plain SGD (a step linear in the gradient, so that two runs whose gradients
+    """update.train_policy (and ppo_critic.train_critic) with plain SGD (a step linear in the gradient, so that two runs whose gradients
     differ by rounding stay as close for the next step); returns each step's gradients and the metrics."""
     args = update.parse_args(["--model", "m", "--rollouts", "r", "--advantages", "a", "--out", "o", *map(str, argv)])
     args.temperature, args.max_new_tokens = 0.7, 40

@@ -174,7 +174,7 @@ class Models:
     policy: torch.nn.Module         # what AdamW steps: in DDP, or sharded by FSDP2, under torchrun
     sampler: torch.nn.Module        # the whole policy that samples: `policy`, or with FSDP a full copy
     ref: torch.nn.Module = None     # π_ref, frozen (LoRA: the policy, adapters off); None when no KL is used
-    critic: ppo_critic.Critic = None     # PPO's value model and its AdamW (--algo ppo)
+    critic: ppo_critic.Critic = None  # PPO's value model and its AdamW (--algo ppo)
     critic_init: str = None         # the critic's folder before the first step (PPO)
     engine: object = None           # --engine vllm: the run's one vLLM engine (grpo/models/vllm_engine.py)
     tokenizer_fingerprint: str = None   # what the rollouts record of the tokenizer (grpo/disk/provenance.py)

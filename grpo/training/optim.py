@@ -2,12 +2,13 @@
 the steps skipped for a non-finite loss or gradient.
 
 Whoever builds the optimizer (update.py for one update, train.py once per run), each step takes its
-learning rate and weight decay from the update's own arguments (`set_lr`), so a setting cannot be
-given to the update and lost on the way.
+learning rate and weight decay from the update's own arguments (`schedule_lr`), so a setting cannot
+be given to the update and lost on the way.
 """
 
 import math
 import os
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -70,11 +71,11 @@ def set_lr(optimizer, lr, weight_decay):
         group["lr"], group["weight_decay"] = lr, weight_decay
 
 
-def schedule_lr(optimizer, lr, args):
-    """Set the optimizer's next step's learning rate, `lr` by update.py's schedule (--warmup-steps,
-    --lr-schedule, --total-steps of `args`) at its own step count, with --weight-decay; returns it."""
-    lr = scheduled_lr(adamw_steps(optimizer), lr, args.warmup_steps, args.lr_schedule, args.total_steps)
-    set_lr(optimizer, lr, args.weight_decay)
+def schedule_lr(optimizer, lr, warmup_steps, schedule, total_steps, weight_decay):
+    """Set the learning rate of the optimizer's next step, `lr` by the schedule (scheduled_lr) at the
+    optimizer's own step count, and the weight decay; returns that learning rate."""
+    lr = scheduled_lr(adamw_steps(optimizer), lr, warmup_steps, schedule, total_steps)
+    set_lr(optimizer, lr, weight_decay)
     return lr
 
 

@@ -72,16 +72,18 @@ def critic_step(critic, rollouts, rows, args):
     sums = distributed.all_reduce(sums, "sum")
     grad_norm = optim.clip_gradients(critic.model, args.max_grad_norm)
     if math.isfinite(sums["value_loss"]) and math.isfinite(grad_norm):
-        optim.schedule_lr(critic.optimizer, args.critic_lr, args)   # the policy's schedule, by the critic's steps
+        # The policy's schedule, counted in the critic's own steps.
+        optim.schedule_lr(critic.optimizer, args.critic_lr, args.warmup_steps, args.lr_schedule, args.total_steps,
+                          args.weight_decay)
         critic.optimizer.step()
     return {"value_loss": sums["value_loss"], "value_grad_norm": grad_norm,
             "value_clip_frac": sums["value_clipped"] / num_tokens, "value_mean": sums["value_sum"] / num_tokens}
 
 
-def value_loss(critic, batch, args, num_seqs, num_tokens):
+def value_loss(model, batch, args, num_seqs, num_tokens):
     """One micro-batch's share of the critic's minibatch loss, vf_coef·L_V (with its gradient), and
     the sums its step metrics are made of: L_V itself, the clipped tokens and Σ V_t."""
-    V = modeling.completion_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+    V = modeling.completion_values(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                    batch["completion_mask"], args.prefix_sharing)             # V_t [n, T]
     token_loss, clipped = clipped_value_loss(V, batch["values"], batch["returns"], args.value_clip)
     loss = minibatches.aggregate(token_loss, batch["loss_mask"], args.loss_agg, num_seqs, num_tokens,
