@@ -295,7 +295,7 @@ def up_to_stop(text, strings):
 def episode_row(sample, turns, env):
     """samples.jsonl's row of an episode: the sampler's row (its completion the whole episode's text) with
     the turns, and the environment's fields, which must not take a name the row already has."""
-    fields = env.fields() if callable(getattr(env, "fields", None)) else {}
+    fields = fields_of(env)
     taken = sorted(set(fields) & (set(sample) | {"turns", "completion_ids"}))
     if taken:
         raise StageError(f"the environment's fields {', '.join(map(repr, taken))} have the name of a column of "
@@ -310,4 +310,9 @@ def field_names(factory, records):
         return set()
     env = factory()
     env.reset(records[0])
-    return set(env.fields()) if callable(getattr(env, "fields", None)) else set()
+    return set(fields_of(env))
+
+
+def fields_of(env):
+    """The environment's fields() (optional in the contract): {} for one without."""
+    return env.fields() if callable(getattr(env, "fields", None)) else {}
