@@ -287,6 +287,27 @@ def test_the_tiny_configuration_learns_to_call_a_tool_it_cannot_answer_without(t
     assert sum(r for _, r in last) / 4 > 2 * first_reward      # 0.18 against 0.013
 
 
+def test_a_run_loads_its_environment_file_once(tmp_path):
+    """train.py checks --env SPEC before anything is written and samples with it at every iteration and
+    evaluation: the file is imported once in the process, and one environment made for the check."""
+    log = tmp_path / "imports.log"
+    env_file = tmp_path / "counting_env.py"
+    env_file.write_text(f"open({str(log)!r}, 'a').write('import\\n')\n"
+                        f"from envs_for_tests import Hint\n\n\n"
+                        f"class Counted(Hint):\n"
+                        f"    def __init__(self):\n"
+                        f"        open({str(log)!r}, 'a').write('env\\n')\n")
+    prompts = write_jsonl(tmp_path / "hidden.jsonl", [{"prompt": "class:", "char_class": "digits"}] * 8)
+    r = cli("train.py", "--config", "tiny", "--run-dir", tmp_path / "run", "--prompts", prompts, "--env",
+            f"{env_file}:Counted", "--reward", f"{ENVS}:hinted_class", "--max-turns", 2, "--max-new-tokens", 8,
+            "--iterations", 2, "--num-prompts", 2, "--group-size", 4, "--eval-every", 0)
+    assert r.code == 0, r.err
+    lines = log.read_text().splitlines()
+    # One import, one environment for the contract's check and one for the reward's field names, then 8 per
+    # iteration (2 prompts × G = 4).
+    assert lines.count("import") == 1 and lines.count("env") == 2 + 2 * 8, lines
+
+
 def test_the_example_environment_plays_its_game_by_hand():
     import importlib.util
     spec = importlib.util.spec_from_file_location("guess_number", os.path.join(ROOT, "examples", "guess_number.py"))

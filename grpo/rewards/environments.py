@@ -22,6 +22,7 @@ A SPEC is a built-in name (calculator), `module:NAME` or `path/file.py:NAME`.
 """
 
 import ast
+import functools
 import operator
 import re
 from fractions import Fraction
@@ -239,8 +240,10 @@ def make(spec, records, group_size):
     return envs
 
 
+@functools.cache
 def load_env(spec):
-    """--env SPEC to (name, the factory called once per episode)."""
+    """--env SPEC to (name, the factory called once per episode), checked by making one environment:
+    once per process for a SPEC, so a run's every rollout reuses the factory parse_args loaded."""
     if spec in BUILT_IN:
         return spec, BUILT_IN[spec]
     if ":" not in spec:
