@@ -26,8 +26,8 @@ Choices where the paper and docs/formats.md are silent (docs/numerics.md and per
   reweighs the truncation from sampler_logprobs, log q of the draw.
 - The sampler is a short KV-cache loop rather than `model.generate`, so the code shows which
   distribution each token came from; log π_old comes from the very logits it samples from, through
-  modeling.logprobs_from_logits, update.py's function. On a CPU its products run through oneDNN on
-  packed weights (fast_decode.decode_linears): rounding only (docs/performance.md).
+  modeling.logprobs_from_logits, update.py's function. grpo/models/fast_decode.py makes it fast (packed
+  weights, an in-place cache, the draw a batch at once): rounding only, the same tokens for a seed.
 - Each distinct prompt of a micro-batch is prefilled once and its KV cache expanded to its G rows
   (modeling.prefill), the reference and critic passes alike; --no-prefix-sharing: the same numbers.
 - completion_mask is true up to and including the first EOS (the tokenizer's and the model's EOS
@@ -50,10 +50,11 @@ import torch
 from tqdm import tqdm
 
 from grpo import lora, settings
-from grpo.cli import ArgumentParser, StageError, add_runtime_flags, run_cli
+from grpo.cli import ArgumentParser, add_runtime_flags, run_cli
 from grpo.disk import files, outputs, provenance
-from grpo.loop.rollouts import concat_rollouts, sample_rows, stack_completions
+from grpo.loop.rollouts import sample_rows, sharded, stack_completions
 from grpo.models import distributed, fast_decode, loading, modeling, vllm_engine
+from grpo.models.fast_decode import draw
 from grpo.rewards import environments, prompting
 from grpo.settings import above, at_least, between
 
@@ -78,21 +79,6 @@ def truncate(z, top_k=0, top_p=1.0, min_p=0.0):
         p = z.softmax(-1)                                                           # [n, V]
         z = z.masked_fill(p < min_p * p.max(-1, keepdim=True).values, -torch.inf)
     return z
-
-
-def draw(probs, generator):
-    """One token per row of softmax probabilities [n, V], as torch.multinomial(probs, 1) draws it:
-    argmax_v p_v / q_v, q_v ~ Exp(1). For float32 on a CPU the exponentials are exponential_'s own,
-    -log1p(-u) of float64 uniforms in memory order, cast to float32 (the cast hides the last-bit
-    differences between torch's log1p and libm's), made a batch at once: the same tokens for a seed
-    in half the time (tests/test_sampling.py, benchmarks/levers.py draw). Otherwise torch.multinomial."""
-    if probs.device.type != "cpu" or probs.dtype != torch.float32:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    if torch.isnan(probs).any():                                    # softmax of an inf or NaN logit
-        raise ValueError("probability tensor contains nan (the logits were not finite)")
-    u = torch.empty_like(probs, dtype=torch.float64).uniform_(generator=generator)      # [n, V]
-    q = -torch.log1p(-u)                                                                # Exp(1), [n, V]
-    return (probs / q.to(probs.dtype)).argmax(-1)                                       # [n]
 
 
 @torch.inference_mode()
@@ -123,7 +109,7 @@ def sample_completions(model, prompt_ids, prompt_mask, max_new_tokens, temperatu
     for step in range(max_new_tokens):
         logits = out[:, -1].float()                                                   # [n, V]
         z = truncate(logits / temperature, top_k, top_p, min_p)                       # [n, V]
-        token = draw(torch.softmax(z, dim=-1), generator)                             # [n]
+        token = draw(torch.softmax(z, dim=-1), generator)            # [n], as torch.multinomial draws
         logprobs.append(modeling.logprobs_from_logits(logits, token, temperature))   # log π_old, [n]
         if truncating:                                                                # log q(token), [n]
             sampler_logprobs.append(torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1))
@@ -216,28 +202,12 @@ def rollout(policy, tokenizer, records, args, ref_model=None, generator=None, wh
 
 def rollout_sharded(policy, tokenizer, records, args, ref_model=None, where=("prompts", None), critic=None,
                     engine=None):
-    """rollout() under torchrun: rank r samples a contiguous share of whole groups from its own
-    generator, seeded with distributed.rank_seed(seed, r), and every rank gets all rows back in group
-    order. So rank r's groups are what one process draws for that share (--start, --num-prompts)
-    with that seed. One process: rollout() itself."""
-    rank, world = distributed.rank_and_world()
-    if world == 1:
-        return rollout(policy, tokenizer, records, args, ref_model, where=where, critic=critic, engine=engine)
-    if len(records) < world:
-        raise StageError(f"{len(records)} prompts for {world} processes: each process samples whole groups, "
-                         f"so --num-prompts must be at least the number of processes")
-    share = distributed.shard_slice(len(records), rank, world)
-    device = next(policy.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(distributed.rank_seed(args.seed, rank))
-    tensors, samples = rollout(policy, tokenizer, records[share], args, ref_model, generator,
-                               (where[0], where[1] and where[1][share]), critic)
-    for s in samples:
-        s["group"] += share.start
-    pad = tokenizer.pad_token_id
-    parts = {k: distributed.all_gather_rows(v, pad if k.endswith("_ids") else 0, left=k.startswith("prompt"))
-             for k, v in tensors.items()}
-    tensors = concat_rollouts([{k: parts[k][r] for k in parts} for r in range(world)], pad)
-    return tensors, distributed.all_gather_json(samples)
+    """rollout() under torchrun: rank r samples a contiguous share of whole groups with the seed
+    distributed.rank_seed(seed, r), and every rank gets all rows back (grpo/loop/rollouts.py:sharded)."""
+    def share_of(share, generator):
+        return rollout(policy, tokenizer, records[share], args, ref_model, generator,
+                       (where[0], where[1] and where[1][share]), critic, engine)
+    return sharded(share_of, len(records), args.seed, tokenizer.pad_token_id, next(policy.parameters()).device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -281,11 +251,9 @@ def build_parser():
     draws.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     draws.add_argument("--engine", choices=["sampler", "vllm"], default="sampler",
                        help="what draws the tokens: the project's sampler (default) or vLLM")
-    draws.add_argument("--env", default=None, metavar="SPEC",
-                       help="episodes with an environment: calculator, module:NAME or file.py:NAME")
+    draws.add_argument("--env", default=None, metavar="SPEC", help="episodes: calculator, module:NAME or file.py:NAME")
     draws.add_argument("--max-turns", type=int, default=4, help="policy turns an episode may take, with --env (4)")
-    draws.add_argument("--ignore-eos", action="store_true",
-                       help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
+    draws.add_argument("--ignore-eos", action="store_true", help="for benchmarks: every completion has L_max tokens")
     mem = p.add_argument_group("memory and devices")
     mem.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
     mem.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
@@ -307,9 +275,6 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     settings.check(args, RULES)
     vllm_engine.check(args)
-    if args.env and args.engine == "vllm":
-        raise StageError("--env runs episodes with the project's sampler, turn by turn on token ids; "
-                         "use --engine sampler")
     if args.env:
         environments.load_env(args.env)              # a bad SPEC stops here, before any model is loaded
     return args

@@ -45,7 +45,7 @@ from grpo.disk import checkpoints, files, outputs, provenance, run_log
 from grpo.loop import diagnostics, evaluation, runs, staleness
 from grpo.loop.configs import CONFIGS, RESUMABLE, RUN_DEFAULTS
 from grpo.loop.rollouts import dapo_dynamic_sampling
-from grpo.models import builders, distributed
+from grpo.models import distributed
 from grpo.rewards import tasks
 from grpo.training import ppo_critic
 
@@ -86,6 +86,44 @@ def train(cfg, run_dir, resume, records):
     """Iterations done .. cfg.iterations of the run in run_dir on the `records` of runs.run_records,
     with a held-out evaluation every --eval-every iterations and at the end, and a save (the resume
     point) every --save-every."""
+    main = distributed.is_main()
+    run = start_run(cfg, run_dir, resume, records)
+    models, done = run.models, run.saved_at
+    bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done,
+               total=cfg.iterations, disable=None if main else True)
+    try:
+        if cfg.staleness:     # the versions a resume samples with, and the producer from iteration `done`
+            run.producer = staleness.start(run.dir, done, cfg.sample_threads, models.policy, models.tokenizer,
+                                           run.publisher, staleness.producer,
+                                           (produce, cfg, run_dir, done, run.records))
+        for i in bar:
+            it_dir, metrics, samples = iteration(run, i, resumed_here=i == done)
+            if main:
+                run_log.log_iteration(run.writer, bar, it_dir, i, metrics, samples, cfg.group_size)
+            run.previous = metrics
+    finally:
+        if run.producer is not None:
+            run.producer.stop()
+        try:
+            run.saver.wait()                  # no save is left half-written, whatever ended the loop
+        finally:
+            if run.publisher is not None:
+                run.publisher.wait()
+            if models.engine is not None:
+                models.engine.close()
+    if main and cfg.eval_every:
+        final = run.held_out(models.sampler, models.ref, models.base, cfg.iterations)
+        run_log.log_scalars(run.writer, final, cfg.iterations)
+        print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean'] or 0:.3f}, "
+              f"reference {final['eval/ref_reward_mean'] or 0:.3f} ({final['eval/num_prompts']} prompts, "
+              f"greedy, {final['eval/skipped_rewards']} without a reward)")
+    if main:
+        run.writer.close()
+
+
+def start_run(cfg, run_dir, resume, records):
+    """The run as it starts: the iterations done (0, or the last save's with --resume), config.json, the
+    models and AdamW (runs.start), the held-out evaluation and TensorBoard's writer."""
     from torch.utils.tensorboard import SummaryWriter
 
     main = distributed.is_main()
@@ -110,40 +148,11 @@ def train(cfg, run_dir, resume, records):
         sample=eval_sampler(cfg, held_out, models) if cfg.eval_samples and held_out else None,
         episodes=eval_sampler(cfg, held_out, models, greedy=True) if cfg.env and held_out else None)
     previous = os.path.join(run_dir, f"iter_{done - 1:04d}", "metrics.json")
-    run = Run(cfg, run_dir, models, optimizer, reward_fns, train_records, held_out_eval,
-              SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None,
-              checkpoints.BackgroundSaver(), done, bad_steps,
-              files.read_json(previous) if done and os.path.isfile(previous) else None,
-              publisher=checkpoints.BackgroundSaver() if cfg.staleness else None)
-    bar = tqdm(range(done, cfg.iterations), desc=f"GRPO {run_dir}", unit="iter", initial=done,
-               total=cfg.iterations, disable=None if main else True)
-    try:
-        if cfg.staleness:     # the versions a resume samples with, and the producer from iteration `done`
-            run.producer = staleness.start(run.dir, done, run.cfg.sample_threads, models.policy, models.tokenizer,
-                                           run.publisher, producer, (cfg, run_dir, done, train_records))
-        for i in bar:
-            it_dir, metrics, samples = iteration(run, i, resumed_here=i == done)
-            if main:
-                run_log.log_iteration(run.writer, bar, it_dir, i, metrics, samples, cfg.group_size)
-            run.previous = metrics
-    finally:
-        if run.producer is not None:
-            run.producer.stop()
-        try:
-            run.saver.wait()                  # no save is left half-written, whatever ended the loop
-        finally:
-            if run.publisher is not None:
-                run.publisher.wait()
-            if models.engine is not None:
-                models.engine.close()
-    if main and cfg.eval_every:
-        final = held_out_eval(models.sampler, models.ref, models.base, cfg.iterations)
-        run_log.log_scalars(run.writer, final, cfg.iterations)
-        print(f"held-out reward after {cfg.iterations} iterations: {final['eval/reward_mean'] or 0:.3f}, "
-              f"reference {final['eval/ref_reward_mean'] or 0:.3f} ({final['eval/num_prompts']} prompts, "
-              f"greedy, {final['eval/skipped_rewards']} without a reward)")
-    if main:
-        run.writer.close()
+    return Run(cfg, run_dir, models, optimizer, reward_fns, train_records, held_out_eval,
+               SummaryWriter(os.path.join(run_dir, "tb"), purge_step=done) if main else None,
+               checkpoints.BackgroundSaver(), done, bad_steps,
+               files.read_json(previous) if done and os.path.isfile(previous) else None,
+               publisher=checkpoints.BackgroundSaver() if cfg.staleness else None)
 
 
 def eval_sampler(cfg, held_out, models, greedy=False):
@@ -230,31 +239,6 @@ def produce(cfg, i, it_dir, models, paths, records, reward_fns, perf, commands):
             write_stage_files(it_dir, batch, lengths, adv, sample_args, score_args, advantage_args, models,
                               staleness.sampled_by(i, cfg.staleness))
     return batch, adv
-
-
-def producer(cfg, run_dir, done, records, parent_pid, threads):
-    """The producer process of --staleness K: stages 1 to 3 of iterations done .. into the run folder,
-    iteration i sampled by the policy of version max(0, i − K) once the consumer has published it."""
-    staleness.set_threads(threads)
-    alive = staleness.parent_alive(parent_pid)
-    models, reward_fns, loaded, engine = None, None, None, None
-    try:
-        for i in range(done, cfg.iterations):
-            alive()                     # a producer whose update process is gone writes nothing more
-            version, perf, commands = staleness.sampled_by(i, cfg.staleness), {}, []
-            if version != loaded:
-                base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
-                path = staleness.sampler_path(run_dir, version, base)
-                staleness.wait_for(path, alive)
-                with runs.timed(perf, "perf/load_s"):
-                    models, reward_fns, engine = staleness.producer_models(cfg, base, path, reward_fns, engine)
-                loaded = version
-            it_dir = checkpoints.iteration_dir(run_dir, i, create=True)
-            produce(cfg, i, it_dir, models, runs.model_paths(models, path, i), records, reward_fns, perf, commands)
-            staleness.mark_produced(it_dir, version, perf, commands)
-    finally:
-        if engine is not None:
-            engine.close()
 
 
 def update_policy(run, rollouts, adv, update_args, perf):
@@ -434,10 +418,8 @@ def main(argv=None):
                                 cfg.eval_prompts if cfg.eval_every else 0)
     if args.check:
         return check_batch(cfg, records)
-    if cfg.beta == 0 and cfg.kl_in_reward == 0:                       # PPO's KL may sit in the reward
-        warn(diagnostics.BETA_ZERO_WARNING)
-    if cfg.kl_estimator == "k1" and cfg.beta != 0:
-        warn(diagnostics.K1_WARNING)
+    for warning in diagnostics.penalty_warnings(cfg.beta, cfg.kl_estimator, cfg.kl_in_reward):
+        warn(warning)
     if records[2]["held_out_lines"] and not args.resume:
         warn(f"held out {len(records[1])} records of {cfg.prompts} for evaluation, chosen with --seed "
              f"{cfg.seed} (their lines are in config.json); training on the other {len(records[0])}")

@@ -281,8 +281,7 @@ def build_parser():
     loss.add_argument("--clip-eps-high", type=float, default=None, help="ε_high: upper clip (default: ε)")
     loss.add_argument("--policy-loss", default="ppo", choices=list(POLICY_LOSSES),
                       help="the policy term of ℓ_t, a function of update.py:POLICY_LOSSES (default ppo)")
-    loss.add_argument("--dual-clip", type=float, default=None, metavar="C",
-                      help="C of --policy-loss dual_clip, C > 1 (default 3)")
+    loss.add_argument("--dual-clip", type=float, default=None, metavar="C", help="C > 1 of dual_clip (default 3)")
     loss.add_argument("--loss-agg", default="seq", choices=["seq", "token", "dr_grpo"],
                       help="how ℓ_t is averaged: seq (DeepSeekMath, default), token (DAPO), dr_grpo (Dr. GRPO)")
     loss.add_argument("--kl-estimator", default="k3", choices=list(KL_ESTIMATORS),
@@ -303,27 +302,19 @@ def build_parser():
     loss.add_argument("--temperature", type=float, default=None, help="τ of log π_θ (default: the rollouts')")
     loss.add_argument("--max-new-tokens", type=int, default=None, help="L_max of dr_grpo (default: rollouts')")
     opt = p.add_argument_group("the optimizer: epochs, minibatches, AdamW")
-    opt.add_argument("--lr", type=float, default=1e-6,
-                     help="AdamW learning rate (default 1e-6; 0: a frozen control run)")
+    opt.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6; 0: a frozen control run)")
     opt.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
                      help="lr by AdamW step: constant, or a linear or cosine decay to 0 at --total-steps")
     opt.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over this many AdamW steps")
     opt.add_argument("--total-steps", type=int, default=None, help="AdamW steps it spans (train.py sets it)")
     opt.add_argument("--epochs", type=int, default=1, help="μ: passes over the rollouts (default 1)")
     opt.add_argument("--minibatch-size", type=int, default=0, help="completions per AdamW step (0: all)")
-    opt.add_argument("--max-grad-norm", type=float, default=1.0,
-                     help="clip the gradient's norm to this (default 1.0; inf: no clipping)")
+    opt.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm (default 1.0; inf: never)")
     opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     opt.add_argument("--max-bad-steps", type=int, default=5, help="non-finite steps skipped, at most (5)")
     opt.add_argument("--fresh-optimizer", action="store_true", help="ignore optimizer.safetensors in --model")
     opt.add_argument("--seed", type=int, default=0, help="seed of the minibatch shuffle (default 0)")
-    ppo = p.add_argument_group("PPO's critic")
-    ppo.add_argument("--critic-lr", type=float, default=None, help="the critic's AdamW lr (default 10 × --lr)")
-    ppo.add_argument("--critic-epochs", type=int, default=None, help="the critic's passes (default: --epochs)")
-    ppo.add_argument("--critic-only", action="store_true",
-                     help="PPO: step the critic alone; --out gets the policy unchanged (train.py --critic-warmup)")
-    ppo.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
-    ppo.add_argument("--value-clip", type=float, default=0.2, help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
+    ppo_critic.add_flags(p.add_argument_group("PPO's critic"))
     mem = p.add_argument_group("memory and devices")
     mem.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward/backward (default: all)")
     mem.add_argument("--gradient-checkpointing", action="store_true",
@@ -338,10 +329,9 @@ def build_parser():
 
 
 # What each setting may be, checked before anything is read or written (train.py's runs too).
-RULES = {"lr": between(0, 1), "warmup_steps": at_least(0), "beta": at_least(0),
-         "clip_eps": between(0, 1, lo_open=True), "clip_eps_high": above(0), "dual_clip": above(1),
-         "entropy_coef": at_least(0), "critic_lr": between(0, 1, lo_open=True), "critic_epochs": at_least(1), "vf_coef": at_least(0),
-         "value_clip": above(0), "epochs": at_least(1), "minibatch_size": at_least(0), "rollout_is_cap": at_least(1),
+RULES = {"lr": between(0, 1), "warmup_steps": at_least(0), "beta": at_least(0), "clip_eps": between(0, 1, lo_open=True),
+         "clip_eps_high": above(0), "dual_clip": above(1), "entropy_coef": at_least(0), **ppo_critic.RULES,
+         "epochs": at_least(1), "minibatch_size": at_least(0), "rollout_is_cap": at_least(1),
          "micro_batch_size": at_least(0), "max_grad_norm": above_or_inf(0), "weight_decay": at_least(0),
          "temperature": above(0), "max_new_tokens": at_least(1), "max_bad_steps": at_least(0),
          **lora.RULES, "total_steps": at_least(1)}    # last: train.py derives it from the others
@@ -364,14 +354,7 @@ def parse_args(argv=None):
     if args.ref_model and args.ref_logprobs == "rollouts":
         raise StageError("--ref-model with --ref-logprobs rollouts: the file's log π_ref would be used and the "
                          "model not; give one")
-    if (args.critic is None) != (args.critic_out is None):
-        raise StageError("--critic and --critic-out go together: the critic read and the critic written")
-    if args.critic_only and not args.critic:
-        raise StageError("--critic-only steps the critic alone, and no --critic is given")
-    if args.critic_lr is None:
-        args.critic_lr = 10 * args.lr
-    if args.critic_epochs is None:
-        args.critic_epochs = args.epochs
+    ppo_critic.check_flags(args)
     if args.prefix_sharing and args.gradient_checkpointing:
         warn_once("update: no prefix sharing under --gradient-checkpointing (transformers' checkpointed "
                   "layers take no KV cache); each row computes its own prompt")
@@ -387,10 +370,8 @@ def main(argv=None):
     if args.critic_out:
         outputs.check_dir(args.critic_out, "update.py", "--critic-out",
                           apart={"--out": args.out, "--critic": args.critic, "--model": args.model})
-    if args.beta == 0:
-        warn(diagnostics.BETA_ZERO_WARNING)
-    if args.kl_estimator == "k1" and args.beta != 0:
-        warn(diagnostics.K1_WARNING)
+    for warning in diagnostics.penalty_warnings(args.beta, args.kl_estimator):
+        warn(warning)
     rollouts, advantages, returns = stage_inputs.update_inputs(args)
     device = distributed.init_distributed(args.device)
     tokenizer = loading.load_tokenizer(args.model, args.trust_remote_code)
@@ -405,12 +386,7 @@ def main(argv=None):
     policy = distributed.distribute(policy, args.fsdp)                      # DDP or FSDP2 under torchrun
     optimizer = optim.adamw(policy, args.lr, args.weight_decay,
                             optim.optimizer_state(args.model, args.fresh_optimizer))
-    critic = None
-    if args.critic:
-        critic_model = loading.load_critic(args.critic, device, args.trust_remote_code)
-        critic_model = distributed.distribute(critic_model, args.fsdp)
-        critic = ppo_critic.Critic(critic_model, optim.adamw(critic_model, args.critic_lr, args.weight_decay,
-                                                             optim.optimizer_state(args.critic, args.fresh_optimizer)))
+    critic = ppo_critic.load(args.critic, device, args) if args.critic else None
 
     if not advantages.any():
         warn(f"update: every advantage in {args.advantages} is 0, so the policy term moves nothing: the step "

@@ -16,7 +16,7 @@ imports no stage. tests/test_formats.py checks this map against the files.
     models/           models in memory
       loading         models and tokenizers from folders or Hub ids, their EOS ids, whether a model is LoRA
       modeling        forward passes over completions: per-token log-probs, the critic's values, prefix sharing
-      fast_decode     the sampler's decode step: products on packed weights, a KV cache written in place
+      fast_decode     the sampler's decode step: packed weights, a KV cache written in place, the draw
       vllm_engine     vLLM as sample.py's engine (--engine vllm), new weights in place
       builders        models that need no download: the default SmolLM2 and tiny Llamas for tests
       distributed     torchrun: ranks, shards, gathers, gradient sync, DDP/FSDP2 wrapping
@@ -34,7 +34,7 @@ imports no stage. tests/test_formats.py checks this map against the files.
     loop/             train.py's run
       runs            a training run: its flags and checks, its records (held out, per iteration), its models
       configs         the named configurations (--config), the run's own defaults, what --resume may change
-      rollouts        whole groups of rollouts stacked and re-padded; DAPO's dynamic sampling
+      rollouts        whole groups of rollouts stacked and re-padded, shared among ranks; DAPO's dynamic sampling
       evaluation      greedy held-out answers of the policy beside the reference's
       diagnostics     how a GRPO run goes wrong, as numbers logged every iteration
       staleness       --staleness K: the producer process beside the update, on a fixed schedule of versions

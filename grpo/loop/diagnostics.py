@@ -241,6 +241,13 @@ BETA_ZERO_WARNING = ("WARNING: β = 0: no KL penalty holds the policy near π_re
                      "--lr with it.")
 
 
+def penalty_warnings(beta, kl_estimator, kl_in_reward=0.0):
+    """The warnings the KL settings call for, printed once by update.py and train.py before any work: β = 0
+    (unless PPO's KL sits in the reward instead), and k1 in the loss."""
+    return ([BETA_ZERO_WARNING] if beta == 0 and kl_in_reward == 0 else []) + \
+        ([K1_WARNING] if kl_estimator == "k1" and beta != 0 else [])
+
+
 def explained_variance(values, returns, mask):
     """1 − Var(R − V) / Var(R) over the real tokens (mask [N, T]): 1 when the critic's V predicts the
     returns R exactly, 0 when it does no better than their mean, negative when worse. None when the

@@ -1,13 +1,15 @@
 """The rollouts dict of sample.py's file: the sampler's micro-batches stacked into its columns, and
 samples.jsonl's rows; whole groups stacked from several parts (torchrun's ranks, DAPO's sampling
-rounds), prompts re-padded on the left, completions on the right, groups renumbered; and DAPO's
-dynamic sampling, which keeps the groups whose rewards differ over several rounds.
+rounds), prompts re-padded on the left, completions on the right, groups renumbered; sampling shared
+among torchrun's ranks; and DAPO's dynamic sampling, which keeps the groups whose rewards differ over
+several rounds.
 """
 
 import torch
 
 from grpo import groups
-from grpo.models import modeling
+from grpo.cli import StageError
+from grpo.models import distributed, modeling
 from grpo.rewards import prompting
 
 
@@ -53,6 +55,28 @@ def concat_rollouts(parts, pad_id):
             out[key] = torch.cat([p[key] for p in parts])
     out["group_ids"] = torch.cat(groups)                                                    # [N]
     return out
+
+
+def sharded(rollout, num_records, seed, pad_id, device):
+    """sample.py's rollout under torchrun: `rollout(share, generator)` samples the records of the slice
+    `share` (whole groups) with `generator`. Rank r samples a contiguous share with its own generator,
+    seeded distributed.rank_seed(seed, r), and every rank gets all rows back in group order, so rank r's
+    groups are what one process draws for that share with that seed. One process: rollout(all, None)."""
+    rank, world = distributed.rank_and_world()
+    if world == 1:
+        return rollout(slice(None), None)
+    if num_records < world:
+        raise StageError(f"{num_records} prompts for {world} processes: each process samples whole groups, "
+                         f"so --num-prompts must be at least the number of processes")
+    share = distributed.shard_slice(num_records, rank, world)
+    generator = torch.Generator(device=device).manual_seed(distributed.rank_seed(seed, rank))
+    tensors, samples = rollout(share, generator)
+    for s in samples:
+        s["group"] += share.start
+    parts = {k: distributed.all_gather_rows(v, pad_id if k.endswith("_ids") else 0, left=k.startswith("prompt"))
+             for k, v in tensors.items()}
+    tensors = concat_rollouts([{k: parts[k][r] for k in parts} for r in range(world)], pad_id)
+    return tensors, distributed.all_gather_json(samples)
 
 
 def dapo_dynamic_sampling(sample_round, first_slot, rounds, B, G, pad_id, perf):

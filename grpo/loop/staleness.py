@@ -30,9 +30,35 @@ from grpo import lora
 from grpo.cli import StageError
 from grpo.disk import checkpoints, files, provenance
 from grpo.loop import runs
-from grpo.models import distributed, loading, vllm_engine
+from grpo.models import builders, distributed, loading, vllm_engine
 
 POLL_S = 0.02          # how often a waiting process looks for the file it waits for
+
+
+def producer(produce, cfg, run_dir, done, records, parent_pid, threads):
+    """The producer process: `produce` (train.py's stages 1 to 3 of an iteration and their files) for
+    iterations done .., iteration i sampled by the policy of version max(0, i − K) once the consumer has
+    published it; each iteration marked produced when its files are whole."""
+    set_threads(threads)
+    alive = parent_alive(parent_pid)
+    models, reward_fns, loaded, engine = None, None, None, None
+    try:
+        for i in range(done, cfg.iterations):
+            alive()                     # a producer whose update process is gone writes nothing more
+            version, perf, commands = sampled_by(i, cfg.staleness), {}, []
+            if version != loaded:
+                base = builders.base_model_dir(cfg.model, run_dir, cfg.seed)
+                path = sampler_path(run_dir, version, base)
+                wait_for(path, alive)
+                with runs.timed(perf, "perf/load_s"):
+                    models, reward_fns, engine = producer_models(cfg, base, path, reward_fns, engine)
+                loaded = version
+            it_dir = checkpoints.iteration_dir(run_dir, i, create=True)
+            produce(cfg, i, it_dir, models, runs.model_paths(models, path, i), records, reward_fns, perf, commands)
+            mark_produced(it_dir, version, perf, commands)
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 def producer_models(cfg, base, path, reward_fns=None, engine=None):

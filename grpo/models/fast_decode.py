@@ -1,6 +1,7 @@
 """The sampler's fast decode step: the linear layers' products on packed weights (oneDNN on a CPU),
-and a KV cache whose keys and values are written in place into buffers made once for the whole
-completion. Both change no number beyond rounding (docs/performance.md has what each saves).
+a KV cache whose keys and values are written in place into buffers made once for the whole
+completion, and the token drawn as torch.multinomial draws it, a batch at once. The first two change
+no number beyond rounding, the draw none (docs/performance.md has what each saves).
 
 transformers' DynamicLayer concatenates the new position onto its keys and values, which copies
 every layer's whole cache at every decode step. PreallocatedLayer keeps the same tensors as views
@@ -121,3 +122,18 @@ def preallocate(cache, room):
     cache.layers = [PreallocatedLayer(layer, room) if type(layer) is DynamicLayer and layer.is_initialized
                     else layer for layer in cache.layers]
     return cache
+
+
+def draw(probs, generator):
+    """One token per row of softmax probabilities [n, V], as torch.multinomial(probs, 1) draws it:
+    argmax_v p_v / q_v, q_v ~ Exp(1). For float32 on a CPU the exponentials are exponential_'s own,
+    -log1p(-u) of float64 uniforms in memory order, cast to float32 (the cast hides the last-bit
+    differences between torch's log1p and libm's), made a batch at once: the same tokens for a seed
+    in half the time (tests/test_sampling.py, benchmarks/levers.py draw). Otherwise torch.multinomial."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if torch.isnan(probs).any():                                    # softmax of an inf or NaN logit
+        raise ValueError("probability tensor contains nan (the logits were not finite)")
+    u = torch.empty_like(probs, dtype=torch.float64).uniform_(generator=generator)      # [n, V]
+    q = -torch.log1p(-u)                                                                # Exp(1), [n, V]
+    return (probs / q.to(probs.dtype)).argmax(-1)                                       # [n]

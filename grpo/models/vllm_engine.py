@@ -38,6 +38,9 @@ def check(args):
     if args.min_p > 0 and args.top_p < 1:
         raise StageError("--min-p with --top-p under --engine vllm: vLLM applies min-p before top-p, the "
                          "project's sampler after it, so they would not mean the same; give one of the two")
+    if args.env:
+        raise StageError("--env runs episodes with the project's sampler, turn by turn on token ids; "
+                         "use --engine sampler")
 
 
 def start(policy, model_dir, max_new_tokens, rows):

@@ -4,7 +4,8 @@ taken after the policy's on the same rollouts and read the same way as update.py
     L_V = vf_coef · ½·max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, ±ε_v) − R_t)²)
 
 R_t the advantages file's `returns`, V_old the rollouts' `values` (the critic's at sampling time),
-aggregated over the policy's tokens like the policy loss (--loss-agg). `args` is update.py's.
+aggregated over the policy's tokens like the policy loss (--loss-agg). `args` is update.py's: its
+critic flags are this module's (add_flags, RULES, check_flags), as LoRA's are grpo/lora.py's.
 """
 
 import math
@@ -13,9 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.cli import StageError
 from grpo.loop import diagnostics
-from grpo.models import distributed, modeling
+from grpo.models import distributed, loading, modeling
+from grpo.settings import above, at_least, between
 from grpo.training import minibatches, optim
+
+# What the critic's flags may be, in update.py's RULES.
+RULES = {"critic_lr": between(0, 1, lo_open=True), "critic_epochs": at_least(1), "vf_coef": at_least(0),
+         "value_clip": above(0)}
 
 
 @dataclass
@@ -23,6 +30,36 @@ class Critic:
     """PPO's value network V and its own AdamW."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+
+
+def add_flags(parser):
+    """update.py's flags of PPO's critic (the critic's folders are among its files)."""
+    parser.add_argument("--critic-lr", type=float, default=None, help="the critic's AdamW lr (default 10 × --lr)")
+    parser.add_argument("--critic-epochs", type=int, default=None, help="the critic's passes (default: --epochs)")
+    parser.add_argument("--critic-only", action="store_true",
+                        help="PPO: step the critic alone; --out gets the policy unchanged (train.py --critic-warmup)")
+    parser.add_argument("--vf-coef", type=float, default=1.0, help="c_V: weight of the value loss (default 1)")
+    parser.add_argument("--value-clip", type=float, default=0.2, help="ε_v: clip V − V_old to ±ε_v (default 0.2)")
+
+
+def check_flags(args):
+    """update.py's critic flags together, and the defaults that follow the policy's (lr, epochs)."""
+    if (args.critic is None) != (args.critic_out is None):
+        raise StageError("--critic and --critic-out go together: the critic read and the critic written")
+    if args.critic_only and not args.critic:
+        raise StageError("--critic-only steps the critic alone, and no --critic is given")
+    if args.critic_lr is None:
+        args.critic_lr = 10 * args.lr
+    if args.critic_epochs is None:
+        args.critic_epochs = args.epochs
+
+
+def load(path, device, args):
+    """The critic of `path` on `device` (DDP or FSDP2 under torchrun), with its AdamW continued from the
+    folder's optimizer.safetensors (unless --fresh-optimizer)."""
+    model = distributed.distribute(loading.load_critic(path, device, args.trust_remote_code), args.fsdp)
+    return Critic(model, optim.adamw(model, args.critic_lr, args.weight_decay,
+                                     optim.optimizer_state(path, args.fresh_optimizer)))
 
 
 def clipped_value_loss(values, old_values, returns, value_clip):
