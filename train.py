@@ -42,22 +42,14 @@ import update
 from grpo import settings
 from grpo.cli import StageError, run_cli, warn
 from grpo.disk import checkpoints, files, outputs, provenance, run_log
-from grpo.loop import diagnostics, evaluation, runs, staleness
-from grpo.loop.configs import CONFIGS, RESUMABLE, RUN_DEFAULTS
+from grpo.loop import configs, diagnostics, evaluation, runs, staleness
 from grpo.loop.rollouts import dapo_dynamic_sampling
 from grpo.models import distributed
-from grpo.rewards import tasks
 from grpo.training import ppo_critic
 
 EVAL_SLOT = 10 ** 9          # the sampler's seed of --eval-samples: a slot no iteration takes
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
-# The stage flags a run sets itself at every iteration (files, models, seeds), not settings.
-OWNED = {"sample.py": {"model", "prompts", "out", "start", "seed", "ref_model", "critic"},
-         "score.py": {"rollouts", "samples", "out"},
-         "advantage.py": {"rewards", "out", "rollouts"},
-         "update.py": {"model", "rollouts", "advantages", "out", "ref_model", "critic", "critic_out", "seed",
-                       "total_steps", "fresh_optimizer", "critic_only"}}
-FLAGS = settings.stage_flags({script: stage.build_parser() for script, stage in STAGES.items()}, OWNED)
+FLAGS = settings.stage_flags({script: stage.build_parser() for script, stage in STAGES.items()}, configs.OWNED)
 
 
 # ----------------------------------------------------------------------------------------
@@ -327,32 +319,9 @@ def sample_and_score(slot, i, cfg, it_dir, models, paths, records, reward_fns, p
 
 def stage_args(script, cfg, it_dir, slot, i, paths, commands):
     """A stage's namespace for iteration i, built by the stage's own parse_args (its defaults and
-    checks): every setting of the configuration that is one of its flags, the files of `it_dir`, and
-    the models of `paths` (model, ref_model, critic; None where unused); the records and the sampler's
-    seed come from `slot`. The equivalent command is appended to `commands`."""
-    path = {k: os.path.join(it_dir, f"{k}.safetensors") for k in ("rollouts", "rewards", "advantages")}
-    minibatches = len(distributed.row_slices(cfg.num_prompts * cfg.group_size, cfg.minibatch_size))
-    policy_out = os.path.join(os.path.dirname(it_dir), "policy")
-    critic = paths["critic"]
-    # log π_ref is the update's (computed beside log π_θ); the rollouts hold it only where it is read
-    # before the update (PPO's --kl-in-reward) or instead of it (--ref-logprobs rollouts).
-    ref_in_rollouts = cfg.kl_in_reward != 0 or cfg.ref_logprobs == "rollouts"
-    own = {"sample.py": dict(model=paths["model"], prompts=os.path.join(it_dir, "prompts.jsonl"), out=it_dir,
-                             ref_model=paths["ref_model"] if ref_in_rollouts else None, critic=critic,
-                             seed=cfg.seed * 1_000_003 + slot),
-           "score.py": dict(rollouts=path["rollouts"], samples=os.path.join(it_dir, "samples.jsonl"),
-                            out=path["rewards"]),
-           "advantage.py": dict(rewards=path["rewards"], out=path["advantages"],
-                                rollouts=path["rollouts"] if cfg.estimator == "gae" else None),
-           "update.py": dict(model=paths["model"], rollouts=path["rollouts"], advantages=path["advantages"],
-                             out=policy_out, critic=critic,
-                             ref_model=None if cfg.ref_logprobs == "rollouts" else paths["ref_model"],
-                             critic_out=os.path.join(policy_out, "critic") if critic else None,
-                             seed=cfg.seed * 1_000_003 + i, critic_only=i < cfg.critic_warmup,
-                             total_steps=(cfg.iterations - cfg.critic_warmup) * cfg.epochs * minibatches)}
-    assert own[script].keys() <= OWNED[script]
-    settings_of_run = {k: v for k, v in vars(cfg).items() if k not in OWNED[script]}
-    argv = settings.argv(STAGES[script].build_parser(), {**settings_of_run, **own[script]})
+    checks) from the flags grpo/loop/configs.py:stage_settings gives it: the run's settings, the files
+    of `it_dir` and the models of `paths`; the equivalent command is appended to `commands`."""
+    argv = settings.argv(STAGES[script].build_parser(), configs.stage_settings(script, cfg, it_dir, slot, i, paths))
     commands.append(["python", script, *argv])
     return STAGES[script].parse_args(argv)
 
@@ -360,31 +329,10 @@ def stage_args(script, cfg, it_dir, slot, i, paths, commands):
 # ----------------------------------------------------------------------------------------
 # The command line
 
-COMMAND = {"help", "config", "config_file", "run_dir", "resume", "check"}
-
-
 def parse_args(argv=None):
-    """The run's configuration (a namespace of every setting): a named configuration or a JSON file
-    with the flags given on top or, with --resume, the run's saved one; checked by every stage's own
-    parse_args before anything is written."""
-    p = runs.parser(__doc__.split("\n\n")[0], list(CONFIGS))
-    settings.add_flags(p.add_argument_group("the stages' settings"), FLAGS, RUN_DEFAULTS)
-    args = p.parse_args(argv)
-    if args.config and args.config_file:
-        raise StageError("--config and --config-file both name the starting configuration; give one")
-    defaults = settings.defaults(p, FLAGS, RUN_DEFAULTS, COMMAND)
-    kinds = settings.kinds(p, FLAGS, COMMAND)
-    for action in p._actions:
-        action.default = None                   # parsed again: the settings given on the command line
-    given = runs.absolute_paths({k: v for k, v in vars(p.parse_args(argv)).items()
-                                 if k not in COMMAND and v is not None})
-    name = os.path.splitext(os.path.basename(args.config_file))[0] if args.config_file else args.config
-    run_dir = args.run_dir or os.path.join("runs", name or "default")
-    cfg = runs.configuration(args, run_dir, given, defaults, kinds, CONFIGS, RESUMABLE)
-    cfg = argparse.Namespace(**{**cfg, **given})
-    cfg.reward = cfg.reward or tasks.TASKS[cfg.task][1]
-    settings.check(cfg, runs.RULES)
-    runs.check_combinations(cfg)
+    """The run's configuration (grpo/loop/configs.py:parse), checked by every stage's own parse_args
+    before anything is written."""
+    args, cfg, run_dir = configs.parse(argv, __doc__.split("\n\n")[0], FLAGS)
     paths = {"model": "model", "ref_model": "ref", "critic": "critic" if cfg.algo == "ppo" else None}
     for script in STAGES:                             # each stage checks its flags before anything is written
         stage_args(script, cfg, "it", 0, 0, paths, [])
@@ -410,9 +358,6 @@ def check_batch(cfg, records):
 def main(argv=None):
     args, cfg, run_dir = parse_args(argv)
     distributed.init_distributed(cfg.device)                  # under torchrun; rank 0 writes and logs
-    if cfg.staleness and distributed.rank_and_world()[1] > 1:
-        raise StageError(f"--staleness {cfg.staleness} runs one producer beside one update process, not under "
-                         f"torchrun's ranks yet; use --staleness 0 there")
     distributed.barrier()                                 # every rank has checked run_dir before it exists
     records = runs.run_records(cfg.task, cfg.seed, cfg.prompts, cfg.eval_prompts_file,
                                 cfg.eval_prompts if cfg.eval_every else 0)

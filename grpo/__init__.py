@@ -32,8 +32,8 @@ imports no stage. tests/test_formats.py checks this map against the files.
       ppo_critic      PPO's critic: its clipped value loss and its AdamW steps (update.py --critic)
       update_metrics  update.py's metrics.json: sums over micro-batches and ranks, means over steps
     loop/             train.py's run
-      runs            a training run: its flags and checks, its records (held out, per iteration), its models
-      configs         the named configurations (--config), the run's own defaults, what --resume may change
+      runs            a training run as it runs: its records (held out, per iteration), its models in memory
+      configs         a run's settings: its flags and checks, --config's configurations, each stage's flags
       rollouts        whole groups of rollouts stacked and re-padded, shared among ranks; DAPO's dynamic sampling
       evaluation      greedy held-out answers of the policy beside the reference's
       diagnostics     how a GRPO run goes wrong, as numbers logged every iteration

@@ -5,7 +5,7 @@ default and help text are written once, in the code.
 
 Each table sits between `<!-- flags: NAME -->` and `<!-- end flags -->`, NAME being a stage
 (sample.py, score.py, advantage.py, update.py: its build_parser()), train.py (the run's own flags,
-grpo/loop/runs.py's parser; the stages' flags a run takes are the stage tables') or `train.py
+grpo/loop/configs.py's parser; the stages' flags a run takes are the stage tables') or `train.py
 RUN_DEFAULTS` (the stage flags whose default differs in a run, and why). Only what is between the
 markers is rewritten; the prose around a table is the page's own. tests/test_flag_tables.py
 regenerates the tables in memory and fails, naming the table and the flag, where the page differs.
@@ -105,13 +105,13 @@ def tables():
     import score
     import train
     import update
-    from grpo.loop import runs
+    from grpo.loop import configs
 
     out = {script: ("flags", flag_rows(stage.build_parser()))
            for script, stage in (("sample.py", sample), ("score.py", score), ("advantage.py", advantage),
                                  ("update.py", update))}
-    out["train.py"] = ("flags", flag_rows(runs.parser(train.__doc__.split("\n\n")[0], list(train.CONFIGS))))
-    out["train.py RUN_DEFAULTS"] = ("run defaults", run_default_rows(train.RUN_DEFAULTS, train.FLAGS))
+    out["train.py"] = ("flags", flag_rows(configs.parser(train.__doc__.split("\n\n")[0], list(configs.CONFIGS))))
+    out["train.py RUN_DEFAULTS"] = ("run defaults", run_default_rows(configs.RUN_DEFAULTS, train.FLAGS))
     return out
 
 

@@ -238,16 +238,16 @@ def parser_defaults():
     import score
     import train
     import update
-    from grpo.loop import runs
+    from grpo.loop import configs
 
     defaults = {}
     parsers = [stage.build_parser() for stage in (sample, score, advantage, update)]
-    parsers.append(runs.parser("", list(train.CONFIGS)))
+    parsers.append(configs.parser("", list(configs.CONFIGS)))
     for parser in parsers:
         for action in parser._actions:
             for flag in action.option_strings:
                 defaults.setdefault(flag[2:], []).append(action.default)
-    for dest, (value, _) in train.RUN_DEFAULTS.items():
+    for dest, (value, _) in configs.RUN_DEFAULTS.items():
         defaults.setdefault(dest.replace("_", "-"), []).append(value)
     return defaults
 

@@ -32,7 +32,7 @@ import score
 import train
 import update
 from grpo.disk import run_log
-from grpo.loop import evaluation, runs
+from grpo.loop import configs, evaluation
 from grpo.models import loading
 
 STAGES = {"sample.py": (sample, ["--model", "m", "--prompts", "p"]),
@@ -57,8 +57,8 @@ def test_every_numeric_flag_of_every_stage_has_a_rule():
         for action in stage.build_parser()._actions:
             if action.type in (int, float) and action.dest not in ANY_VALUE:
                 assert action.dest in stage.RULES, (script, action.dest)
-    run_flags = [a for a in runs.parser("", [])._actions if a.type in (int, float)]
-    assert {a.dest for a in run_flags} - ANY_VALUE == set(runs.RULES)
+    run_flags = [a for a in configs.parser("", [])._actions if a.type in (int, float)]
+    assert {a.dest for a in run_flags} - ANY_VALUE == set(configs.RULES)
 
 
 @pytest.mark.parametrize("script", STAGES)
@@ -74,9 +74,9 @@ def test_a_stage_stops_on_any_setting_out_of_range_before_reading_or_writing(scr
 
 
 def test_a_run_stops_on_any_setting_out_of_range_before_its_folder_exists(tmp_path):
-    checked = {**runs.RULES, **{name: rule for stage, _ in STAGES.values() for name, rule in stage.RULES.items()
+    checked = {**configs.RULES, **{name: rule for stage, _ in STAGES.values() for name, rule in stage.RULES.items()
                                 if name in train.FLAGS}}
-    kinds = {**{a.dest: a.type for a in runs.parser("", [])._actions},
+    kinds = {**{a.dest: a.type for a in configs.parser("", [])._actions},
              **{name: action.type for name, (action, _) in train.FLAGS.items()}}
     assert {"lr", "beta", "clip_eps", "num_prompts", "eval_prompts", "group_size"} <= set(checked)
     for name, rule in checked.items():

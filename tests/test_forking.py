@@ -1,5 +1,5 @@
 """docs/forking.md's recipes: an advantage estimator added to --estimator without its branch in
-compute_advantages, its place in runs.GROUP_RELATIVE, or its line in the docs fails here; a policy
+compute_advantages, its place in configs.GROUP_RELATIVE, or its line in the docs fails here; a policy
 loss added by the recipe's two steps alone trains."""
 
 import argparse
@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import advantage
 from grpo.cli import StageError
-from grpo.loop import runs
+from grpo.loop import configs
 
 CHOICES = next(a.choices for a in advantage.build_parser()._actions if a.dest == "estimator")
 GROUP_FREE = [e for e in CHOICES if e != "gae"]             # gae reads a critic's values: tests/test_ppo.py
@@ -36,15 +36,15 @@ def test_every_estimator_is_computed_and_registered_by_what_it_needs(estimator):
         refuses_one = False
     except StageError:
         refuses_one = True
-    assert refuses_one == (estimator in runs.GROUP_RELATIVE), estimator
+    assert refuses_one == (estimator in configs.GROUP_RELATIVE), estimator
     cfg = argparse.Namespace(algo="grpo", estimator=estimator, group_size=1, dynamic_sampling=False,
                              length_strata=1, eval_every=0, eval_prompts=0, critic_warmup=0, rollout_is="none",
                              staleness=0, old_logprobs=None)
     if refuses_one:
         with pytest.raises(StageError, match="G must be at least 2"):
-            runs.check_combinations(cfg)
+            configs.check_combinations(cfg)
     else:
-        runs.check_combinations(cfg)
+        configs.check_combinations(cfg)
 
 
 @pytest.mark.parametrize("estimator", CHOICES)

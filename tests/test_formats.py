@@ -14,7 +14,7 @@ import score
 import train
 import update
 from grpo.disk import files
-from grpo.loop import runs
+from grpo.loop import configs
 
 STAGES = {"sample.py": sample, "score.py": score, "advantage.py": advantage, "update.py": update}
 FORMATS = open(os.path.join(ROOT, "docs", "formats.md"), encoding="utf-8").read()
@@ -29,7 +29,7 @@ def test_every_stage_flag_is_documented_in_its_table(script):
 
 
 def test_every_train_flag_is_documented():
-    parser = runs.parser("", list(train.CONFIGS))
+    parser = configs.parser("", list(configs.CONFIGS))
     flags = {a.option_strings[0] for a in parser._actions if a.dest != "help"}
     section = FORMATS.split("### train.py\n", 1)[1].split("\n## ", 1)[0]
     for flag in flags:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import train
 from grpo import settings
-from grpo.loop import runs
+from grpo.loop import configs
 
 # A value other than the default for every stage flag train.py exposes. The two runs below take
 # them: GRPO's knobs in one run, PPO's in the other, with --ignore-eos (which would leave
@@ -66,12 +66,12 @@ def test_every_knob_train_exposes_is_a_stage_flag_with_a_test_value():
         for script in scripts:                               # one name, one kind in every stage
             stage_action = next(a for a in train.STAGES[script].build_parser()._actions if a.dest == name)
             assert settings.kind(stage_action) == settings.kind(action), (name, script)
-    for name, (value, reason) in train.RUN_DEFAULTS.items():
+    for name, (value, reason) in configs.RUN_DEFAULTS.items():
         assert name in train.FLAGS and len(reason) > 20, name
     for name, (action, scripts) in train.FLAGS.items():      # stages that disagree need the run's default
         defaults = {repr(a.default) for s in scripts for a in train.STAGES[s].build_parser()._actions
                     if a.dest == name}
-        assert len(defaults) == 1 or name in train.RUN_DEFAULTS, name
+        assert len(defaults) == 1 or name in configs.RUN_DEFAULTS, name
 
 
 @pytest.mark.parametrize("algo, knobs", [("grpo", GRPO_KNOBS), ("ppo", PPO_KNOBS)])
@@ -81,7 +81,7 @@ def test_every_knob_reaches_the_stage_that_takes_it(algo, knobs, tmp_path, monke
     r = cli("train.py", "--config", "tiny", "--algo", algo, "--iterations", 2, "--eval-every", 0,
             "--run-dir", run_dir, *flags(knobs))
     assert r.code == 0, r.err
-    for name, value in runs.absolute_paths(knobs).items():          # a run stores its files' absolute paths
+    for name, value in configs.absolute_paths(knobs).items():          # a run stores its files' absolute paths
         for script in train.FLAGS[name][1]:
             assert metadata(run_dir / RECORDED[script], "args")[name] == value, (name, script)
     groups = metadata(run_dir / "policy" / "optimizer.safetensors", "param_groups")
