@@ -251,9 +251,11 @@ def build_parser():
     draws.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     draws.add_argument("--engine", choices=["sampler", "vllm"], default="sampler",
                        help="what draws the tokens: the project's sampler (default) or vLLM")
-    draws.add_argument("--env", default=None, metavar="SPEC", help="episodes: calculator, module:NAME or file.py:NAME")
+    draws.add_argument("--env", default=None, metavar="SPEC",
+                       help="episodes with an environment: calculator, module:NAME or file.py:NAME")
     draws.add_argument("--max-turns", type=int, default=4, help="policy turns an episode may take, with --env (4)")
-    draws.add_argument("--ignore-eos", action="store_true", help="for benchmarks: every completion has L_max tokens")
+    draws.add_argument("--ignore-eos", action="store_true",
+                       help="for benchmarks: EOS does not end a completion, every one has L_max tokens")
     mem = p.add_argument_group("memory and devices")
     mem.add_argument("--micro-batch-size", type=int, default=0, help="rows per forward pass (default 0: all N)")
     mem.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,

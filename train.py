@@ -12,15 +12,15 @@ process of torchrun).
     torchrun --nproc_per_node 8 train.py --config gpu [--fsdp]          # one node, 8 GPUs
 
 A run's settings are the stages' own flags (names, types, help: `train.py --help` lists each with
-the stages that take it) and the run's own (run_parser: model, data, iterations, evaluation, saves).
-Where a run's default differs from a stage's, grpo/loop/configs.py says so and why, beside the named
+the stages that take it) and the run's own (model, data, iterations, evaluation, saves), all in
+grpo/loop/configs.py, with where a run's default differs from a stage's and why, and the named
 configurations (--config). Models stay in memory between stages, but each stage's arguments are
-built by its own parse_args from the configuration (so its checks apply before the run folder
-exists), and its files are written by its own functions: any iteration can be re-run one stage at a
-time (iter_XXXX/replay.sh; docs/runs-and-metrics.md).
+built by its own parse_args from the flags configs.stage_settings gives it (so its checks apply
+before the run folder exists), and its files are written by its own functions: any iteration can be
+re-run one stage at a time (iter_XXXX/replay.sh; docs/runs-and-metrics.md).
 
 Every draw of iteration i comes from generators seeded from (seed, i): the records it sees (a
-seeded shuffle per pass over them), the sampler, the minibatch shuffle. No RNG state crosses
+seeded shuffle per pass over them), the sampler, the minibatch shuffle (configs.stage_settings). No RNG state crosses
 iterations, so the policy and AdamW's state, saved every --save-every iterations, are all a resume
 needs: --resume recomputes the iterations since the last save, bit for bit on a CPU. With
 --dynamic-sampling, round r of iteration i uses the records and seed of slot i·R + r.
@@ -86,7 +86,7 @@ def train(cfg, run_dir, resume, records):
     try:
         if cfg.staleness:     # the versions a resume samples with, and the producer from iteration `done`
             run.producer = staleness.start(run.dir, done, cfg.sample_threads, models.policy, models.tokenizer,
-                                           run.publisher, staleness.producer,
+                                           run.publisher, staleness.run_producer,
                                            (produce, cfg, run_dir, done, run.records))
         for i in bar:
             it_dir, metrics, samples = iteration(run, i, resumed_here=i == done)

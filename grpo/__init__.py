@@ -29,7 +29,7 @@ imports no stage. tests/test_formats.py checks this map against the files.
     training/         the update's machinery and PPO's critic
       optim           AdamW: construction, lr schedule, clipping, skipped steps
       minibatches     the update's minibatches, the loss mask, --loss-agg, gradient accumulation's bookkeeping
-      ppo_critic      PPO's critic: its clipped value loss and its AdamW steps (update.py --critic)
+      ppo_critic      PPO's critic: its flags, clipped value loss and AdamW steps (update.py --critic)
       update_metrics  update.py's metrics.json: sums over micro-batches and ranks, means over steps
     loop/             train.py's run
       runs            a training run as it runs: its records (held out, per iteration), its models in memory

@@ -12,6 +12,7 @@ from conftest import ROOT, assert_user_error, cli, write_jsonl
 
 import sample
 from grpo.disk import files
+from grpo.loop import configs
 from grpo.models import loading, modeling
 from grpo.rewards import environments
 
@@ -306,6 +307,20 @@ def test_a_run_loads_its_environment_file_once(tmp_path):
     # One import, one environment for the contract's check and one for the reward's field names, then 8 per
     # iteration (2 prompts × G = 4).
     assert lines.count("import") == 1 and lines.count("env") == 2 + 2 * 8, lines
+
+
+def test_an_edited_environment_file_is_loaded_anew_and_a_run_stores_its_absolute_path(tmp_path, monkeypatch):
+    env_file = tmp_path / "edited_env.py"
+    env_file.write_text("class Env:\n    word = 'first'\n    def reset(self, record): pass\n"
+                        "    def step(self, text, token_ids): return None\n")
+    monkeypatch.chdir(tmp_path)
+    first = environments.load_env("edited_env.py:Env")[1]
+    assert environments.load_env("edited_env.py:Env")[1] is first            # cached while the file is as it was
+    env_file.write_text(env_file.read_text().replace("'first'", "'second'"))
+    os.utime(env_file, (1, os.stat(env_file).st_mtime + 10))
+    assert environments.load_env("edited_env.py:Env")[1].word == "second"
+    assert configs.absolute_paths({"env": "edited_env.py:Env"})["env"] == f"{env_file}:Env"
+    assert configs.absolute_paths({"env": "calculator"})["env"] == "calculator"
 
 
 def test_the_example_environment_plays_its_game_by_hand():

@@ -167,9 +167,9 @@ PATHS = ("model", "prompts", "eval_prompts_file", "critic_init")      # settings
 
 
 def absolute_paths(values):
-    """A run's settings with the files and folders it names (PATHS, and --reward's files and reward-model
-    folders) made absolute where they exist, so that config.json means the same from any folder and
-    --resume works from anywhere."""
+    """A run's settings with the files and folders it names (PATHS, --reward's files and reward-model
+    folders, --env's file.py:NAME) made absolute where they exist, so that config.json means the same
+    from any folder and --resume works from anywhere."""
     def absolute(value):
         path, colon, function = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
         return os.path.abspath(path) + colon + function if path and os.path.exists(path) else value
@@ -179,6 +179,8 @@ def absolute_paths(values):
             out[key] = absolute(out[key])
     if out.get("reward"):
         out["reward"] = [absolute(spec) for spec in out["reward"]]
+    if out.get("env") and ":" in out["env"]:                  # not a built-in name, which is no file
+        out["env"] = absolute(out["env"])
     return out
 
 

@@ -35,7 +35,7 @@ from grpo.models import builders, distributed, loading, vllm_engine
 POLL_S = 0.02          # how often a waiting process looks for the file it waits for
 
 
-def producer(produce, cfg, run_dir, done, records, parent_pid, threads):
+def run_producer(produce, cfg, run_dir, done, records, parent_pid, threads):
     """The producer process: `produce` (train.py's stages 1 to 3 of an iteration and their files) for
     iterations done .., iteration i sampled by the policy of version max(0, i − K) once the consumer has
     published it; each iteration marked produced when its files are whole."""

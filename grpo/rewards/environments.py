@@ -24,6 +24,7 @@ A SPEC is a built-in name (calculator), `module:NAME` or `path/file.py:NAME`.
 import ast
 import functools
 import operator
+import os
 import re
 from fractions import Fraction
 
@@ -240,10 +241,19 @@ def make(spec, records, group_size):
     return envs
 
 
-@functools.cache
 def load_env(spec):
     """--env SPEC to (name, the factory called once per episode), checked by making one environment:
-    once per process for a SPEC, so a run's every rollout reuses the factory parse_args loaded."""
+    once per process for a SPEC's file as it is (its absolute path and modification time), so a run's
+    every rollout reuses the factory parse_args loaded, and an edited file is loaded anew."""
+    target = spec.rpartition(":")[0]
+    if target.endswith(".py") and os.path.isfile(target):
+        return _load_env(spec, os.path.abspath(target), os.path.getmtime(target))
+    return _load_env(spec, None, None)
+
+
+@functools.cache
+def _load_env(spec, path, mtime):
+    """load_env's work, cached by `path` and `mtime` too."""
     if spec in BUILT_IN:
         return spec, BUILT_IN[spec]
     if ":" not in spec:

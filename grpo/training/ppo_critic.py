@@ -1,5 +1,5 @@
-"""PPO's critic (update.py --critic): the value network V, its clipped value loss and its AdamW steps,
-taken after the policy's on the same rollouts and read the same way as update.py:policy_step.
+"""PPO's critic (update.py --critic): the value network V, its flags, its clipped value loss and its
+AdamW steps, taken after the policy's on the same rollouts and read the same way as update.py:policy_step.
 
     L_V = vf_coef · ½·max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, ±ε_v) − R_t)²)
 
