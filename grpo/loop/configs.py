@@ -153,7 +153,7 @@ def check_combinations(cfg):
 def check_staleness(cfg):
     """--staleness K runs what the producer process can run alone: one process's models, no critic to
     publish, no torchrun ranks."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if distributed.under_torchrun():
         raise StageError(f"--staleness {cfg.staleness} runs one producer beside one update process, not under "
                          f"torchrun's ranks yet; use --staleness 0 there")
     refused = {"--algo ppo (the critic's values are sampled with the policy)": cfg.algo == "ppo",

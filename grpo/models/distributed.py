@@ -27,13 +27,19 @@ def barrier():
         torch.distributed.barrier()
 
 
+def under_torchrun():
+    """Whether torchrun started this process among several (WORLD_SIZE > 1): known from the environment
+    before the process group is joined, so a setting torchrun cannot run is refused first."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def pick_device(name="auto"):
     """cuda when there is a GPU (under torchrun, this rank's: LOCAL_RANK), else the CPU; or `name`."""
     if name != "auto":
         device = torch.device(name)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if device.type == "cuda" and device.index is None and under_torchrun():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
 
@@ -42,7 +48,7 @@ def init_distributed(device_name="auto"):
     """The device of this process; under torchrun (WORLD_SIZE > 1) it first joins the process group,
     NCCL when the processes have GPUs and gloo when they run on CPUs, each rank on its LOCAL_RANK GPU."""
     device = pick_device(device_name)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if under_torchrun():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not torch.distributed.is_initialized():

@@ -32,7 +32,7 @@ def check(args):
     """What --engine vllm cannot do, refused before anything is read or written."""
     if args.engine != "vllm":
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if distributed.under_torchrun():
         raise StageError("--engine vllm runs in one process; under torchrun use --engine sampler "
                          "(each rank's engine would start its own process group)")
     if args.min_p > 0 and args.top_p < 1:
